@@ -1,0 +1,1 @@
+"""Example handler modules shipped with the worker."""

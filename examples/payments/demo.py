@@ -1,0 +1,70 @@
+"""Demo traffic for the payments example: N payment requests, some of them sent twice.
+
+``worker demo`` runs it so that ``docker compose up`` shows the whole flow in its logs.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from dataclasses import dataclass
+
+from aio_pika import DeliveryMode, Message
+
+from examples.payments import router as payments_router
+from worker.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.runner import connect_broker
+from worker.settings import Settings
+from worker.topology import declare_topology
+
+ROUTING_KEY = "payment.requested"
+
+
+@dataclass(frozen=True)
+class DemoPlan:
+    """What the demo sends: unique payments, the duplicates among them, the expected totals."""
+
+    payments: list[dict[str, object]]
+    sends: list[dict[str, object]]
+    expected_balances: dict[str, int]
+
+
+def plan_payments(count: int, duplicate_ratio: float, accounts: int, seed: int) -> DemoPlan:
+    """``count`` messages, about ``duplicate_ratio`` of them repeats of earlier payments."""
+    rng = random.Random(seed)
+    duplicates = round(count * duplicate_ratio)
+    payments = [
+        {
+            "payment_id": f"demo-{seed}-{i}",
+            "account": f"account-{rng.randrange(accounts)}",
+            "amount_cents": rng.randint(100, 10_000),
+        }
+        for i in range(count - duplicates)
+    ]
+    sends = payments + [rng.choice(payments) for _ in range(duplicates)] if payments else []
+    rng.shuffle(sends)
+    balances: Counter[str] = Counter()
+    for payment in payments:
+        balances[str(payment["account"])] += int(str(payment["amount_cents"]))
+    return DemoPlan(payments, sends, dict(balances))
+
+
+async def publish_demo(settings: Settings, plan: DemoPlan) -> None:
+    """Publish ``plan.sends`` to the exchange with publisher confirms."""
+    connection = await connect_broker(settings, name="worker-demo")
+    async with connection:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        topology = await declare_topology(channel, settings, payments_router.routing_keys())
+        for payment in plan.sends:
+            key = str(payment["payment_id"])
+            await topology.exchange.publish(
+                Message(
+                    json.dumps(payment).encode(),
+                    content_type="application/json",
+                    message_id=key,
+                    headers={IDEMPOTENCY_KEY_HEADER: key},
+                    delivery_mode=DeliveryMode.PERSISTENT,
+                ),
+                routing_key=ROUTING_KEY,
+            )

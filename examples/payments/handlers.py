@@ -1,0 +1,54 @@
+"""Payments: settle a requested payment exactly once, and announce it.
+
+``payment.requested`` → add the amount to the account's balance, write a ledger entry and emit
+``payment.settled``, all in the worker's one transaction. A redelivery changes nothing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy.dialects.postgresql import insert
+
+from examples.payments.tables import accounts, ledger_entries, metadata
+from worker import Context, Router
+
+router = Router("payments", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata)
+
+
+class PaymentRequested(BaseModel):
+    """The body of ``payment.requested``. Types are strict: ``"100"`` is not an amount."""
+
+    model_config = ConfigDict(strict=True)
+
+    payment_id: str = Field(min_length=1)
+    account: str = Field(min_length=1)
+    amount_cents: int = Field(gt=0)
+
+
+@router.handler("payment.requested")
+async def settle_payment(payment: PaymentRequested, ctx: Context) -> dict[str, Any]:
+    """Credit the account, record the ledger entry and emit ``payment.settled``."""
+    credit = insert(accounts).values(account=payment.account, balance_cents=payment.amount_cents)
+    credit = credit.on_conflict_do_update(
+        index_elements=[accounts.c.account],
+        set_={"balance_cents": accounts.c.balance_cents + credit.excluded.balance_cents},
+    ).returning(accounts.c.balance_cents)
+    balance_cents = (await ctx.session.execute(credit)).scalar_one()
+    await ctx.session.execute(
+        insert(ledger_entries).values(
+            payment_id=payment.payment_id,
+            account=payment.account,
+            amount_cents=payment.amount_cents,
+        )
+    )
+    settled = {
+        "payment_id": payment.payment_id,
+        "account": payment.account,
+        "amount_cents": payment.amount_cents,
+        "balance_cents": balance_cents,
+    }
+    ctx.publish("payment.settled", settled)
+    return settled

@@ -1,0 +1,104 @@
+"""What a handler gets besides its body: the transaction, and the outbox to publish through.
+
+Everything a handler does through its ``Context`` belongs to the unit of work's one transaction:
+``session`` and ``connection`` share it, and ``publish`` only records an outbox row that is
+inserted in the same transaction, so no event can exist without the effect that caused it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
+
+from worker.codec import JSON_CONTENT_TYPE, encode_json
+from worker.envelope import Envelope
+
+
+@dataclass(frozen=True)
+class OutboxMessage:
+    """An event recorded by a handler, published by the relay after the transaction commits."""
+
+    message_id: uuid.UUID
+    exchange: str
+    routing_key: str
+    body: bytes
+    content_type: str
+    headers: Mapping[str, Any]
+    correlation_id: str | None
+    causation_id: str | None
+    ordering_key: str | None
+
+
+@dataclass
+class Context:
+    """The handler's view of its unit of work."""
+
+    connection: AsyncConnection
+    envelope: Envelope
+    default_exchange: str
+    outbox: list[OutboxMessage] = field(default_factory=list)
+    _session: AsyncSession | None = None
+
+    @property
+    def key(self) -> str:
+        """The idempotency key of the message being handled."""
+        return self.envelope.key
+
+    @property
+    def session(self) -> AsyncSession:
+        """An ORM session bound to the unit of work's transaction; it cannot commit on its own."""
+        if self._session is None:
+            self._session = AsyncSession(
+                bind=self.connection,
+                expire_on_commit=False,
+                join_transaction_mode="rollback_only",
+            )
+        return self._session
+
+    def publish(
+        self,
+        routing_key: str,
+        body: Any,
+        *,
+        exchange: str | None = None,
+        headers: Mapping[str, Any] | None = None,
+        ordering_key: str | None = None,
+        content_type: str | None = None,
+        message_id: uuid.UUID | None = None,
+    ) -> uuid.UUID:
+        """Record an event in the outbox of this transaction and return its stable message id.
+
+        ``body`` is JSON-encoded unless it is ``bytes`` (then give ``content_type``). The event
+        goes to ``exchange`` (default: the worker's exchange) once the transaction commits.
+        """
+        if isinstance(body, bytes):
+            payload, kind = body, content_type or "application/octet-stream"
+        else:
+            payload, kind = encode_json(body), content_type or JSON_CONTENT_TYPE
+        message = OutboxMessage(
+            message_id=message_id or uuid.uuid4(),
+            exchange=self.default_exchange if exchange is None else exchange,
+            routing_key=routing_key,
+            body=payload,
+            content_type=kind,
+            headers=dict(headers or {}),
+            correlation_id=self.envelope.correlation_id,
+            causation_id=self.envelope.key,
+            ordering_key=ordering_key,
+        )
+        self.outbox.append(message)
+        return message.message_id
+
+    async def flush(self) -> None:
+        """Send the session's pending ORM changes; called by the unit of work before commit."""
+        if self._session is not None:
+            await self._session.flush()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,30 @@
+"""The SQLAlchemy engine the worker runs on (asyncpg driver), sized to its concurrency."""
+
+from __future__ import annotations
+
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from worker import queries
+from worker.errors import ConfigurationError
+from worker.settings import Settings
+
+
+def create_engine(settings: Settings, *, application_name: str = "worker") -> AsyncEngine:
+    """An engine whose pool holds one connection per concurrent unit of work."""
+    return create_async_engine(
+        settings.sqlalchemy_url,
+        pool_size=settings.concurrency,
+        max_overflow=2,
+        pool_timeout=60,
+        connect_args={"server_settings": {"application_name": application_name}},
+    )
+
+
+async def check_durable_commits(engine: AsyncEngine) -> None:
+    """Refuse to run with ``synchronous_commit=off``: an ack could then outlive a lost commit."""
+    async with engine.connect() as conn:
+        if await queries.synchronous_commit(conn) == "off":
+            raise ConfigurationError(
+                "synchronous_commit is off for the worker's database role: a crash could lose "
+                "a commit whose message was already acked. Set it to 'on' (or stronger)."
+            )

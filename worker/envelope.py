@@ -1,0 +1,83 @@
+"""What a delivery is before and after the checks that precede any database work.
+
+``Delivery`` holds the transport facts of one incoming message; ``open_envelope`` turns it into an
+``Envelope`` (handler, idempotency key, validated body, fingerprint) or raises a ``Rejected`` that
+names the reason. Nothing here touches the database or the broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.codec import decode_json, fingerprint
+from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler
+from worker.router import Handler, Router
+
+IDEMPOTENCY_KEY_HEADER = "idempotency-key"
+MAX_KEY_LENGTH = 512
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One incoming message as the broker handed it over, independent of the client library."""
+
+    body: bytes
+    routing_key: str
+    headers: Mapping[str, Any] = field(default_factory=dict)
+    message_id: str | None = None
+    correlation_id: str | None = None
+    content_type: str | None = None
+    exchange: str = ""
+    redelivered: bool = False
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A delivery that passed every check and is ready for its unit of work."""
+
+    delivery: Delivery
+    handler: Handler
+    key: str
+    payload: Any
+    fingerprint: bytes
+
+    @property
+    def correlation_id(self) -> str:
+        """The incoming correlation id, or the key when the message carries none."""
+        return self.delivery.correlation_id or self.key
+
+
+def idempotency_key(delivery: Delivery) -> str:
+    """The ``idempotency-key`` header, else the message_id; ``MissingKey``/``InvalidKey`` if unfit."""
+    raw = delivery.headers.get(IDEMPOTENCY_KEY_HEADER)
+    if raw is None or raw == "" or raw == b"":
+        raw = delivery.message_id
+    if raw is None or raw == "":
+        raise MissingKey()
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidKey("idempotency key is not UTF-8") from exc
+    if not isinstance(raw, str):
+        raise InvalidKey(f"idempotency key must be a string, not {type(raw).__name__}")
+    if len(raw) > MAX_KEY_LENGTH:
+        raise InvalidKey(f"idempotency key is longer than {MAX_KEY_LENGTH} characters")
+    if "\x00" in raw:
+        raise InvalidKey("idempotency key contains a NUL character")
+    return raw
+
+
+def open_envelope(delivery: Delivery, router: Router, *, max_body_bytes: int) -> Envelope:
+    """Check ``delivery`` in order: size, routing, key, JSON, validation; the first failure wins."""
+    if len(delivery.body) > max_body_bytes:
+        raise BodyTooLarge(f"body has {len(delivery.body)} bytes; the limit is {max_body_bytes}")
+    handler = router.find(delivery.routing_key)
+    if handler is None:
+        raise NoHandler(f"no handler for routing key {delivery.routing_key!r}")
+    key = idempotency_key(delivery)
+    value = decode_json(delivery.body, delivery.content_type)
+    payload = handler.validate(value)
+    return Envelope(delivery, handler, key, payload, fingerprint(value))

@@ -1,0 +1,84 @@
+"""Alembic environment shared by the worker's migrations and every handler module's.
+
+The database URL comes from the caller (``worker migrate``) or from the worker's settings
+(``WORKER_DATABASE_URL``). The version table and the metadata come from the Alembic config, so
+each history only ever sees, and autogenerates for, its own tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+from logging.config import fileConfig
+from typing import Any
+
+from alembic import context
+from sqlalchemy import MetaData
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from worker import tables
+from worker.settings import Settings
+
+config = context.config
+if config.config_file_name is not None and config.get_section("loggers") is not None:
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
+
+
+def _target_metadata() -> MetaData | None:
+    if "target_metadata" in config.attributes:
+        metadata: MetaData | None = config.attributes["target_metadata"]
+        return metadata
+    spec = config.get_main_option("target_metadata")
+    if not spec:
+        return tables.metadata
+    module_name, _, attribute = spec.partition(":")
+    found: MetaData = getattr(importlib.import_module(module_name), attribute or "metadata")
+    return found
+
+
+target_metadata = _target_metadata()
+version_table = config.get_main_option("version_table") or "alembic_version"
+database_url = config.attributes.get("database_url") or Settings.load().sqlalchemy_url
+
+
+def _own_objects_only(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Leave alone the tables of other histories that share the database."""
+    return not (type_ == "table" and reflected and compare_to is None)
+
+
+def _configure(connection: Connection | None = None, **kwargs: Any) -> None:
+    context.configure(
+        connection=connection,
+        target_metadata=target_metadata,
+        version_table=version_table,
+        include_object=_own_objects_only,
+        compare_type=True,
+        **kwargs,
+    )
+
+
+def _run_sync(connection: Connection) -> None:
+    _configure(connection)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+async def _run_online() -> None:
+    engine = create_async_engine(database_url)
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_run_sync)
+            await connection.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    _configure(url=database_url, literal_binds=True, dialect_opts={"paramstyle": "named"})
+    with context.begin_transaction():
+        context.run_migrations()
+else:
+    asyncio.run(_run_online())

@@ -1,0 +1,148 @@
+"""Handlers and the router that holds them: which function serves which routing key.
+
+A handler is an ``async def handler(body, ctx)``. The annotation of ``body`` says how the decoded
+JSON is validated before the handler runs: a pydantic model, a dataclass, a TypedDict, ``dict``,
+or nothing (the JSON value as it is). One routing key has exactly one handler.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import MetaData
+
+from worker.errors import HandlerRegistrationError, InvalidBody
+
+if TYPE_CHECKING:
+    from worker.context import Context
+
+HandlerFunc = Callable[[Any, "Context"], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Handler:
+    """A registered handler. ``name`` and the idempotency key identify an effect in the inbox."""
+
+    name: str
+    routing_key: str
+    func: HandlerFunc
+    body_type: Any
+    adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "adapter", TypeAdapter(self.body_type))
+
+    def validate(self, value: Any) -> Any:
+        """``value`` (decoded JSON) validated into the handler's body type, or ``InvalidBody``."""
+        try:
+            return self.adapter.validate_python(value)
+        except ValidationError as exc:
+            errors = "; ".join(
+                f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}"
+                for err in exc.errors(include_url=False)
+            )
+            raise InvalidBody(f"body failed validation: {errors}") from exc
+
+
+def _body_type(func: HandlerFunc) -> Any:
+    params = list(inspect.signature(func).parameters.values())
+    if len(params) != 2:
+        raise HandlerRegistrationError(
+            f"handler {func.__qualname__} must take two parameters (body, ctx), not {len(params)}"
+        )
+    try:
+        hints = typing.get_type_hints(func)
+    except NameError as exc:
+        raise HandlerRegistrationError(
+            f"cannot resolve the annotations of {func.__qualname__}: {exc}"
+        ) from exc
+    return hints.get(params[0].name, Any)
+
+
+class Router:
+    """A set of handlers, with the Alembic migrations of the tables they own, if any.
+
+    ``name`` names the module's migration history (its version table is
+    ``alembic_version_<name>``); ``migrations`` is the folder of its Alembic revisions and
+    ``metadata`` the SQLAlchemy metadata they create.
+    """
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        migrations: str | Path | None = None,
+        metadata: MetaData | None = None,
+    ) -> None:
+        if migrations is not None and name is None:
+            raise HandlerRegistrationError("a router with migrations needs a name")
+        self.name = name
+        self.migrations = Path(migrations) if migrations is not None else None
+        self.metadata = metadata
+        self._handlers: dict[str, Handler] = {}
+        self._children: list[Router] = []
+
+    def handler(
+        self, routing_key: str, *, name: str | None = None
+    ) -> Callable[[HandlerFunc], HandlerFunc]:
+        """Register the decorated coroutine function as the handler of ``routing_key``.
+
+        ``name`` (default: the routing key) is stored with every idempotency key; keep it stable,
+        or earlier deliveries are no longer recognised as duplicates.
+        """
+
+        def register(func: HandlerFunc) -> HandlerFunc:
+            if not inspect.iscoroutinefunction(func):
+                raise HandlerRegistrationError(f"handler {func.__qualname__} must be async def")
+            self._add(Handler(name or routing_key, routing_key, func, _body_type(func)))
+            return func
+
+        return register
+
+    def include(self, other: Router) -> None:
+        """Serve ``other``'s handlers too; its migrations stay its own."""
+        for handler in other.handlers():
+            self._add(handler)
+        self._children.append(other)
+
+    def _add(self, handler: Handler) -> None:
+        if "*" in handler.routing_key or "#" in handler.routing_key:
+            raise HandlerRegistrationError(
+                f"routing key {handler.routing_key!r}: wildcards are not supported; "
+                "register each routing key"
+            )
+        if handler.routing_key in self._handlers:
+            raise HandlerRegistrationError(
+                f"routing key {handler.routing_key!r} already has a handler"
+            )
+        if any(h.name == handler.name for h in self._handlers.values()):
+            raise HandlerRegistrationError(f"handler name {handler.name!r} is already taken")
+        self._handlers[handler.routing_key] = handler
+
+    def handlers(self) -> list[Handler]:
+        return list(self._handlers.values())
+
+    def routing_keys(self) -> list[str]:
+        return sorted(self._handlers)
+
+    def find(self, routing_key: str) -> Handler | None:
+        return self._handlers.get(routing_key)
+
+    def with_migrations(self) -> Iterator[Router]:
+        """This router and every included one that owns migrations, each once."""
+        seen: set[int] = set()
+        stack: list[Router] = [self]
+        while stack:
+            router = stack.pop(0)
+            if id(router) in seen:
+                continue
+            seen.add(id(router))
+            if router.migrations is not None:
+                yield router
+            stack.extend(router._children)

@@ -1,0 +1,63 @@
+"""Applying Alembic migrations: the worker's own, then each handler module's.
+
+Each has its own history and version table (``alembic_version`` for the worker,
+``alembic_version_<router name>`` for a handler module), so a handler module's revisions never
+depend on the worker's revision ids. All share the env.py in ``worker/migrations``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+from worker import tables
+from worker.router import Router
+from worker.settings import Settings
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+WORKER_VERSION_TABLE = "alembic_version"
+
+
+def worker_config(settings: Settings) -> Config:
+    """The Alembic configuration of the worker's own tables."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("version_table", WORKER_VERSION_TABLE)
+    config.attributes["database_url"] = settings.sqlalchemy_url
+    config.attributes["target_metadata"] = tables.metadata
+    return config
+
+
+def handler_config(settings: Settings, router: Router) -> Config:
+    """The Alembic configuration of a handler module's own tables."""
+    assert router.migrations is not None and router.name is not None
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("version_locations", str(router.migrations))
+    config.set_main_option("version_table", f"{WORKER_VERSION_TABLE}_{router.name}")
+    config.attributes["database_url"] = settings.sqlalchemy_url
+    config.attributes["target_metadata"] = router.metadata
+    return config
+
+
+def configs(settings: Settings, router: Router | None) -> Iterator[Config]:
+    """The worker's configuration, then each handler module's, in upgrade order."""
+    yield worker_config(settings)
+    if router is not None:
+        for owner in router.with_migrations():
+            yield handler_config(settings, owner)
+
+
+def upgrade(settings: Settings, router: Router | None = None, revision: str = "head") -> None:
+    """Bring the worker's tables and the handler modules' tables to ``revision``."""
+    for config in configs(settings, router):
+        command.upgrade(config, revision)
+
+
+def downgrade(settings: Settings, router: Router | None = None, revision: str = "base") -> None:
+    """Undo migrations, handler modules first (they were applied last)."""
+    for config in reversed(list(configs(settings, router))):
+        command.downgrade(config, revision)

@@ -1,0 +1,79 @@
+"""The worker's own tables. Migrations in ``worker/migrations`` create exactly this metadata.
+
+``inbox`` holds one row per (handler, idempotency key) whose effect has committed; ``outbox``
+holds events committed with an effect and not yet confirmed by the broker.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    Uuid,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "ck": "ck_%(table_name)s_%(constraint_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+INBOX_STATUSES = ("in_progress", "completed", "failed")
+
+inbox = Table(
+    "inbox",
+    metadata,
+    Column("handler", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("fingerprint", LargeBinary, nullable=False, comment="SHA-256 of the canonical body"),
+    Column("status", Text, nullable=False),
+    Column("recovery_point", Text, nullable=True),
+    Column("result", JSONB, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default=text("1")),
+    Column("message_id", Text, nullable=True),
+    Column("routing_key", Text, nullable=False),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("handler", "key"),
+    CheckConstraint(
+        "status IN ('in_progress', 'completed', 'failed')", name="status"
+    ),
+    Index(None, "updated_at"),
+)
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("message_id", Uuid, nullable=False, unique=True),
+    Column("exchange", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("content_type", Text, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("correlation_id", Text, nullable=True),
+    Column("causation_id", Text, nullable=True),
+    Column("ordering_key", Text, nullable=True),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("available_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index(None, "available_at", "id"),
+)

@@ -1,0 +1,56 @@
+"""The unit of work: one message, one PostgreSQL transaction.
+
+In that transaction the idempotency key is claimed, the handler's business writes run, its events
+are appended to the outbox and the key is marked completed. Either all of it commits or none of
+it does; the caller acks the delivery only after ``process`` has returned, i.e. after the commit.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker import queries
+from worker.context import Context
+from worker.envelope import Envelope
+from worker.errors import HandlerFailed, KeyReused, is_transient
+
+
+class Outcome(enum.Enum):
+    """How a unit of work ended, when it did not raise."""
+
+    PROCESSED = "processed"
+    DUPLICATE = "duplicate"
+
+
+async def process(engine: AsyncEngine, envelope: Envelope, *, default_exchange: str) -> Outcome:
+    """Apply ``envelope``'s effect exactly once per (handler, key), committing before returning.
+
+    Raises ``KeyReused`` when the key is known with another fingerprint, ``HandlerFailed`` when
+    the handler (or storing what it produced) fails permanently, and transient errors as they
+    are, for the caller to retry. Whatever it raises, nothing has been committed.
+    """
+    handler = envelope.handler
+    async with engine.connect() as conn, conn.begin():
+        while not await queries.claim_key(conn, envelope):
+            existing = await queries.fetch_key(conn, handler.name, envelope.key)
+            if existing is None:
+                continue  # the row vanished between the two statements: claim again
+            if existing.fingerprint != envelope.fingerprint:
+                raise KeyReused()
+            return Outcome.DUPLICATE
+
+        ctx = Context(conn, envelope, default_exchange)
+        try:
+            result = await handler.func(envelope.payload, ctx)
+            await ctx.flush()
+            await queries.append_outbox(conn, ctx.outbox)
+            await queries.complete_key(conn, handler.name, envelope.key, result)
+        except Exception as exc:
+            if is_transient(exc):
+                raise
+            raise HandlerFailed(f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            await ctx.close()
+    return Outcome.PROCESSED
