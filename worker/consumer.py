@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -20,7 +21,8 @@ from tenacity import (
     before_sleep_log,
     retry_if_exception,
     stop_after_attempt,
-    wait_exponential_jitter,
+    wait_exponential,
+    wait_random,
 )
 
 from worker import dead_letters
@@ -34,6 +36,7 @@ from worker.unit_of_work import process
 log = logging.getLogger(__name__)
 
 TRANSIENT_ATTEMPTS = 3
+T = TypeVar("T")
 
 
 def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
@@ -74,6 +77,13 @@ class Consumer:
         self._channel: AbstractChannel | None = None
         self._topology: Topology | None = None
         self._consumer_tag: str | None = None
+        self._transient_retry = AsyncRetrying(
+            stop=stop_after_attempt(TRANSIENT_ATTEMPTS),
+            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
+            retry=retry_if_exception(is_transient),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
+        )
 
     async def start(self) -> Topology:
         """Declare the topology and start consuming."""
@@ -157,14 +167,8 @@ class Consumer:
         )
         await self._settle(message.ack())
 
-    async def _retry_transient(self, attempt: Callable[[], Awaitable[object]]) -> object:
-        async for try_ in AsyncRetrying(
-            stop=stop_after_attempt(TRANSIENT_ATTEMPTS),
-            wait=wait_exponential_jitter(initial=0.1, max=2.0),
-            retry=retry_if_exception(is_transient),
-            before_sleep=before_sleep_log(log, logging.WARNING),
-            reraise=True,
-        ):
+    async def _retry_transient(self, attempt: Callable[[], Awaitable[T]]) -> T:
+        async for try_ in self._transient_retry.copy():
             with try_:
                 return await attempt()
         raise AssertionError("unreachable")  # pragma: no cover

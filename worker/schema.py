@@ -21,10 +21,16 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 WORKER_VERSION_TABLE = "alembic_version"
 
 
-def worker_config(settings: Settings) -> Config:
-    """The Alembic configuration of the worker's own tables."""
+def _config() -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
+    config.set_main_option("path_separator", "os")
+    return config
+
+
+def worker_config(settings: Settings) -> Config:
+    """The Alembic configuration of the worker's own tables."""
+    config = _config()
     config.set_main_option("version_table", WORKER_VERSION_TABLE)
     config.attributes["database_url"] = settings.sqlalchemy_url
     config.attributes["target_metadata"] = tables.metadata
@@ -34,8 +40,7 @@ def worker_config(settings: Settings) -> Config:
 def handler_config(settings: Settings, router: Router) -> Config:
     """The Alembic configuration of a handler module's own tables."""
     assert router.migrations is not None and router.name is not None
-    config = Config()
-    config.set_main_option("script_location", str(MIGRATIONS))
+    config = _config()
     config.set_main_option("version_locations", str(router.migrations))
     config.set_main_option("version_table", f"{WORKER_VERSION_TABLE}_{router.name}")
     config.attributes["database_url"] = settings.sqlalchemy_url

@@ -1,0 +1,18 @@
+# The worker image: `worker run` by default; compose also uses it for `worker migrate` and `worker demo`.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+WORKDIR /app
+
+# .dockerignore keeps the virtualenv, git metadata, caches and tests out of the context.
+COPY . .
+RUN pip install --no-cache-dir . \
+    && rm -rf build *.egg-info \
+    && useradd --system --no-create-home --shell /usr/sbin/nologin worker
+
+USER worker
+
+CMD ["worker", "run"]

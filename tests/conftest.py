@@ -1,0 +1,152 @@
+"""Fixtures that give each test session its own database and each test its own broker names.
+
+URLs come from WORKER_DATABASE_URL and WORKER_AMQP_URL (localhost defaults). The session creates
+a fresh database next to the one named there, migrates it, and drops it at the end; each test
+gets a unique exchange and queue, deleted afterwards, so tests run in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from urllib.parse import urlsplit, urlunsplit
+
+import aio_pika
+import asyncpg
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from examples.payments import router as payments_router
+from worker import runner, schema
+from worker.database import create_engine
+from worker.router import Router
+from worker.settings import Settings
+
+BASE = Settings.load()
+
+
+def _with_database(url: str, database: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+async def _admin(sql: str) -> None:
+    conn = await asyncpg.connect(BASE.database_url)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+def _require_services() -> None:
+    async def check() -> None:
+        try:
+            conn = await asyncpg.connect(BASE.database_url, timeout=5)
+            await conn.close()
+        except Exception as exc:
+            pytest.exit(
+                f"PostgreSQL is not reachable at WORKER_DATABASE_URL={BASE.database_url!r}: {exc!r}",
+                returncode=3,
+            )
+        try:
+            connection = await aio_pika.connect(BASE.amqp_url, timeout=5)
+            await connection.close()
+        except Exception as exc:
+            pytest.exit(
+                f"RabbitMQ is not reachable at WORKER_AMQP_URL={BASE.amqp_url!r}: {exc!r}",
+                returncode=3,
+            )
+
+    asyncio.run(check())
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    """A fresh database with the worker's and the payments example's tables."""
+    _require_services()
+    name = f"worker_test_{uuid.uuid4().hex[:12]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    url = _with_database(BASE.database_url, name)
+    schema.upgrade(BASE.replace(database_url=url), payments_router)
+    try:
+        yield url
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def settings(database_url: str) -> AsyncIterator[Settings]:
+    """Settings for one test: the session's database, and an exchange and queues of its own
+    (deleted afterwards)."""
+    suffix = uuid.uuid4().hex[:10]
+    yield BASE.replace(
+        database_url=database_url,
+        exchange=f"test-{suffix}-events",
+        queue=f"test-{suffix}",
+        prefetch=16,
+        concurrency=4,
+    )
+    connection = await aio_pika.connect(BASE.amqp_url)
+    async with connection:
+        channel = await connection.channel()
+        for queue in (f"test-{suffix}", f"test-{suffix}.dlq"):
+            await channel.queue_delete(queue)
+        for exchange in (f"test-{suffix}-events", f"test-{suffix}.dlx"):
+            await channel.exchange_delete(exchange)
+
+
+@pytest.fixture(scope="session")
+async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_engine(BASE.replace(database_url=database_url, concurrency=6))
+    yield engine
+    await engine.dispose()
+
+
+@pytest.fixture(autouse=True)
+async def clean_tables(request: pytest.FixtureRequest) -> None:
+    """Empty every table before a test that uses the database."""
+    if "database_url" not in request.fixturenames:
+        return
+    engine: AsyncEngine = request.getfixturevalue("engine")
+    async with engine.begin() as conn:
+        await conn.execute(text("TRUNCATE inbox, outbox, accounts, ledger_entries"))
+
+
+@pytest.fixture
+async def amqp() -> AsyncIterator[AbstractRobustConnection]:
+    connection = await aio_pika.connect_robust(BASE.amqp_url)
+    yield connection
+    await connection.close()
+
+
+@dataclass
+class RunningWorker:
+    task: asyncio.Task[object]
+    stop: asyncio.Event
+
+    async def shutdown(self) -> object:
+        self.stop.set()
+        return await asyncio.wait_for(self.task, 30)
+
+
+@contextlib.asynccontextmanager
+async def running_worker(settings: Settings, router: Router) -> AsyncIterator[RunningWorker]:
+    """The worker's real runner, in-process, stopped (drained) on exit."""
+    stop, started = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(runner.run(settings, router, stop, started))
+    waiter = asyncio.create_task(started.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task in done:
+        task.result()  # raises what stopped it
+    worker = RunningWorker(task, stop)
+    try:
+        yield worker
+    finally:
+        if not task.done():
+            await worker.shutdown()

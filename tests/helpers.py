@@ -1,0 +1,49 @@
+"""Small builders shared by the tests."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker.envelope import Delivery, Envelope, open_envelope
+from worker.router import Router
+
+
+def payment(payment_id: str, account: str = "alice", amount_cents: int = 100) -> dict[str, Any]:
+    return {"payment_id": payment_id, "account": account, "amount_cents": amount_cents}
+
+
+def envelope(
+    router: Router, routing_key: str, body: Any, key: str, **delivery: Any
+) -> Envelope:
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return open_envelope(
+        Delivery(body=raw, routing_key=routing_key, headers={"idempotency-key": key}, **delivery),
+        router,
+        max_body_bytes=1 << 20,
+    )
+
+
+async def scalar(engine: AsyncEngine, sql: str, **params: Any) -> Any:
+    async with engine.connect() as conn:
+        return (await conn.execute(text(sql), params)).scalar()
+
+
+async def rows(engine: AsyncEngine, sql: str, **params: Any) -> list[Any]:
+    async with engine.connect() as conn:
+        return list((await conn.execute(text(sql), params)).all())
+
+
+async def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.05) -> None:
+    """Poll the async ``predicate`` until it returns true; fail after ``timeout`` seconds."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not await predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(interval)

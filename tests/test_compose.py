@@ -1,0 +1,156 @@
+"""The container setup: docker-compose.yml and the Dockerfile run commands the CLI really has."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from worker.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+DOCKERFILE = ROOT / "Dockerfile"
+REQUIRED_ENV = ("WORKER_DATABASE_URL", "WORKER_AMQP_URL", "WORKER_HANDLERS")
+
+
+def load_compose() -> dict[str, Any]:
+    data = yaml.safe_load(COMPOSE_FILE.read_text())
+    assert isinstance(data, dict), "docker-compose.yml must be a mapping"
+    return data
+
+
+def services() -> dict[str, Any]:
+    found = load_compose().get("services")
+    assert isinstance(found, dict), "docker-compose.yml has no services"
+    return found
+
+
+def built_services() -> dict[str, dict[str, Any]]:
+    """The services built from the project's own Dockerfile (``build: .``)."""
+    built = {}
+    for name, service in services().items():
+        build = service.get("build")
+        context = build.get("context") if isinstance(build, dict) else build
+        if context in (".", "./"):
+            built[name] = service
+    return built
+
+
+def command_of(service: dict[str, Any]) -> list[str]:
+    command = service.get("command")
+    if isinstance(command, str):
+        return shlex.split(command)
+    assert isinstance(command, list), f"no command: {service!r}"
+    return [str(part) for part in command]
+
+
+def environment_of(service: dict[str, Any]) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {str(key): str(value) for key, value in env.items()}
+
+
+def cli_commands() -> set[str]:
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return set(action.choices)
+    raise AssertionError("the worker CLI has no subcommands")
+
+
+def test_the_one_shot_and_long_running_services_are_built_from_the_project() -> None:
+    assert {"migrate", "worker", "demo"} <= set(built_services())
+
+
+def test_every_built_service_runs_a_command_the_worker_cli_accepts() -> None:
+    commands = cli_commands()
+    for name, service in built_services().items():
+        program, *arguments = command_of(service)
+
+        assert program == "worker", name
+        assert arguments, f"{name} names no subcommand"
+        assert arguments[0] in commands, name
+        # parse_args raises SystemExit on an unknown subcommand or flag, failing the test.
+        args = build_parser().parse_args(arguments)
+        assert args.command == arguments[0], name
+
+
+def test_the_worker_is_configured_through_its_environment_variables() -> None:
+    env = environment_of(services()["worker"])
+
+    assert set(REQUIRED_ENV) <= set(env)
+    assert env["WORKER_DATABASE_URL"].startswith("postgresql://")
+    assert env["WORKER_AMQP_URL"].startswith("amqp://")
+    modules = [module.strip() for module in env["WORKER_HANDLERS"].split(",") if module.strip()]
+    assert modules, "WORKER_HANDLERS names no module"
+    for module in modules:
+        importlib.import_module(module)
+
+
+def test_the_built_services_share_one_configuration() -> None:
+    environments = [environment_of(service) for service in built_services().values()]
+    assert all(env == environments[0] for env in environments)
+
+
+@pytest.mark.parametrize("name", ["postgres", "rabbitmq"])
+def test_the_backing_services_have_healthchecks(name: str) -> None:
+    healthcheck = services()[name].get("healthcheck")
+    assert isinstance(healthcheck, dict)
+    assert healthcheck.get("test"), f"{name} has an empty healthcheck"
+
+
+def test_the_worker_starts_after_the_migrations_and_a_healthy_broker() -> None:
+    depends_on = services()["worker"]["depends_on"]
+
+    assert depends_on["migrate"]["condition"] == "service_completed_successfully"
+    assert depends_on["rabbitmq"]["condition"] == "service_healthy"
+    assert services()["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+
+
+@pytest.mark.skipif(
+    shutil.which("docker-compose") is None,
+    reason="docker-compose is not installed (CI installs it to validate the compose file)",
+)
+def test_docker_compose_accepts_the_file() -> None:
+    result = subprocess.run(
+        ["docker-compose", "config", "-q"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_image_runs_the_worker_command() -> None:
+    instructions = [
+        line.strip()
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.strip().upper().startswith(("CMD", "ENTRYPOINT"))
+    ]
+    assert instructions, "the Dockerfile has no CMD or ENTRYPOINT"
+
+    _, _, argument = instructions[-1].partition(" ")
+    words = yaml.safe_load(argument) if argument.lstrip().startswith("[") else argument.split()
+
+    assert words[0] == "worker"
+
+
+def test_the_image_does_not_run_as_root() -> None:
+    users = [
+        line.split()[1]
+        for line in DOCKERFILE.read_text().splitlines()
+        if line.strip().upper().startswith("USER ")
+    ]
+    assert users, "the Dockerfile never switches to a non-root user"
+    assert users[-1] not in ("root", "0")
