@@ -50,7 +50,8 @@ def _require_services() -> None:
             await conn.close()
         except Exception as exc:
             pytest.exit(
-                f"PostgreSQL is not reachable at WORKER_DATABASE_URL={BASE.database_url!r}: {exc!r}",
+                f"PostgreSQL is not reachable at WORKER_DATABASE_URL={BASE.database_url!r}: "
+                f"{exc!r}",
                 returncode=3,
             )
         try:

@@ -16,9 +16,7 @@ def payment(payment_id: str, account: str = "alice", amount_cents: int = 100) ->
     return {"payment_id": payment_id, "account": account, "amount_cents": amount_cents}
 
 
-def envelope(
-    router: Router, routing_key: str, body: Any, key: str, **delivery: Any
-) -> Envelope:
+def envelope(router: Router, routing_key: str, body: Any, key: str, **delivery: Any) -> Envelope:
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     return open_envelope(
         Delivery(body=raw, routing_key=routing_key, headers={"idempotency-key": key}, **delivery),

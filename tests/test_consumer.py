@@ -42,7 +42,9 @@ async def publish(
     )
 
 
-async def dead_letters(channel: AbstractChannel, settings: Settings) -> list[AbstractIncomingMessage]:
+async def dead_letters(
+    channel: AbstractChannel, settings: Settings
+) -> list[AbstractIncomingMessage]:
     queue = await channel.get_queue(settings.dead_letter_queue)
     parked = []
     while (message := await queue.get(fail=False, no_ack=True)) is not None:
@@ -83,9 +85,7 @@ async def test_a_burst_with_duplicates_changes_each_balance_once(
         await wait_until(all_settled)
         await wait_until(lambda: _queue_empty(channel, settings.queue))
 
-    balances = dict(
-        (await _rows(engine, "SELECT account, balance_cents FROM accounts"))
-    )
+    balances = dict(await _rows(engine, "SELECT account, balance_cents FROM accounts"))
     assert balances == expected
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'completed'") == 240
     assert await scalar(engine, "SELECT count(*) FROM outbox") == 240
@@ -150,8 +150,13 @@ async def test_bad_messages_are_parked_with_a_reason_and_the_worker_keeps_going(
             routing_key=settings.queue,
         )
         # the same key twice with different payloads: the second is parked
-        await publish(channel, settings, payment("p-orig", amount_cents=10), key="reused",
-                      message_id="reused-first")
+        await publish(
+            channel,
+            settings,
+            payment("p-orig", amount_cents=10),
+            key="reused",
+            message_id="reused-first",
+        )
         await wait_until(lambda: _inbox_has(engine, "reused"))
         await send("key-reused", payment("p-orig", amount_cents=99), key="reused")
         # and a good message after all of that is still processed

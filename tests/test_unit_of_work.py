@@ -23,8 +23,14 @@ EXCHANGE = "events"
 
 async def test_effect_inbox_and_outbox_commit_together(engine: AsyncEngine) -> None:
     # Given a payment request
-    env = envelope(payments, "payment.requested", payment("p1", "alice", 250), "key-1",
-                   message_id="m-1", correlation_id="corr-1")
+    env = envelope(
+        payments,
+        "payment.requested",
+        payment("p1", "alice", 250),
+        "key-1",
+        message_id="m-1",
+        correlation_id="corr-1",
+    )
 
     # When it is processed
     outcome = await process(engine, env, default_exchange=EXCHANGE)
@@ -33,15 +39,24 @@ async def test_effect_inbox_and_outbox_commit_together(engine: AsyncEngine) -> N
     assert outcome is Outcome.PROCESSED
     assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='alice'") == 250
     assert await scalar(engine, "SELECT count(*) FROM ledger_entries WHERE payment_id='p1'") == 1
-    [inbox] = await rows(engine, "SELECT handler, key, status, result, fingerprint, message_id,"
-                                 " routing_key FROM inbox")
+    [inbox] = await rows(
+        engine,
+        "SELECT handler, key, status, result, fingerprint, message_id, routing_key FROM inbox",
+    )
     assert (inbox.handler, inbox.key, inbox.status) == ("payment.requested", "key-1", "completed")
-    assert inbox.result == {"payment_id": "p1", "account": "alice", "amount_cents": 250,
-                            "balance_cents": 250}
+    assert inbox.result == {
+        "payment_id": "p1",
+        "account": "alice",
+        "amount_cents": 250,
+        "balance_cents": 250,
+    }
     assert bytes(inbox.fingerprint) == fingerprint(payment("p1", "alice", 250))
     assert (inbox.message_id, inbox.routing_key) == ("m-1", "payment.requested")
-    [event] = await rows(engine, "SELECT exchange, routing_key, body, content_type,"
-                                 " correlation_id, causation_id FROM outbox")
+    [event] = await rows(
+        engine,
+        "SELECT exchange, routing_key, body, content_type,"
+        " correlation_id, causation_id FROM outbox",
+    )
     assert (event.exchange, event.routing_key) == (EXCHANGE, "payment.settled")
     assert json.loads(event.body) == inbox.result
     assert event.content_type == "application/json"
@@ -58,10 +73,12 @@ async def test_a_completed_key_is_a_duplicate_and_the_handler_does_not_run(
     async def count(body: dict[str, Any], ctx: Context) -> None:
         calls.append(ctx.key)
 
-    first = await process(engine, envelope(router, "count.me", {"n": 1}, "k"),
-                          default_exchange=EXCHANGE)
-    second = await process(engine, envelope(router, "count.me", {"n": 1}, "k"),
-                           default_exchange=EXCHANGE)
+    first = await process(
+        engine, envelope(router, "count.me", {"n": 1}, "k"), default_exchange=EXCHANGE
+    )
+    second = await process(
+        engine, envelope(router, "count.me", {"n": 1}, "k"), default_exchange=EXCHANGE
+    )
 
     assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
     assert calls == ["k"]
@@ -70,10 +87,12 @@ async def test_a_completed_key_is_a_duplicate_and_the_handler_does_not_run(
 async def test_same_payload_with_other_key_order_is_still_a_duplicate(engine: AsyncEngine) -> None:
     body_a = b'{"payment_id": "p1", "account": "alice", "amount_cents": 5}'
     body_b = b'{"amount_cents":5,"account":"alice","payment_id":"p1"}'
-    await process(engine, envelope(payments, "payment.requested", body_a, "k"),
-                  default_exchange=EXCHANGE)
-    outcome = await process(engine, envelope(payments, "payment.requested", body_b, "k"),
-                            default_exchange=EXCHANGE)
+    await process(
+        engine, envelope(payments, "payment.requested", body_a, "k"), default_exchange=EXCHANGE
+    )
+    outcome = await process(
+        engine, envelope(payments, "payment.requested", body_b, "k"), default_exchange=EXCHANGE
+    )
     assert outcome is Outcome.DUPLICATE
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 5
 
@@ -81,13 +100,18 @@ async def test_same_payload_with_other_key_order_is_still_a_duplicate(engine: As
 async def test_a_key_reused_with_another_payload_is_refused_and_the_first_effect_stands(
     engine: AsyncEngine,
 ) -> None:
-    await process(engine, envelope(payments, "payment.requested", payment("p1", amount_cents=100),
-                                   "k"), default_exchange=EXCHANGE)
+    await process(
+        engine,
+        envelope(payments, "payment.requested", payment("p1", amount_cents=100), "k"),
+        default_exchange=EXCHANGE,
+    )
 
     with pytest.raises(KeyReused, match="idempotency key reused with a different payload"):
-        await process(engine, envelope(payments, "payment.requested",
-                                       payment("p1", amount_cents=999), "k"),
-                      default_exchange=EXCHANGE)
+        await process(
+            engine,
+            envelope(payments, "payment.requested", payment("p1", amount_cents=999), "k"),
+            default_exchange=EXCHANGE,
+        )
 
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 100
     assert await scalar(engine, "SELECT count(*) FROM outbox") == 1
@@ -148,13 +172,22 @@ async def test_publish_names_exchange_headers_and_ordering_key(engine: AsyncEngi
     @router.handler("fan.out")
     async def fan_out(body: dict[str, Any], ctx: Context) -> None:
         ctx.publish("a", {"i": 1})
-        ctx.publish("b", b"raw", exchange="audit", headers={"tenant": "t1"},
-                    ordering_key="acct-1", content_type="text/plain")
+        ctx.publish(
+            "b",
+            b"raw",
+            exchange="audit",
+            headers={"tenant": "t1"},
+            ordering_key="acct-1",
+            content_type="text/plain",
+        )
 
     await process(engine, envelope(router, "fan.out", {}, "k"), default_exchange=EXCHANGE)
 
-    events = await rows(engine, "SELECT exchange, routing_key, body, content_type, headers,"
-                                " ordering_key FROM outbox ORDER BY id")
+    events = await rows(
+        engine,
+        "SELECT exchange, routing_key, body, content_type, headers,"
+        " ordering_key FROM outbox ORDER BY id",
+    )
     assert [(e.exchange, e.routing_key) for e in events] == [(EXCHANGE, "a"), ("audit", "b")]
     assert bytes(events[1].body) == b"raw"
     assert events[1].content_type == "text/plain"
@@ -177,8 +210,10 @@ def _gated_router(gate: _Gate, calls: list[str], fail_first: bool = False) -> Ro
     async def settle(body: dict[str, Any], ctx: Context) -> None:
         calls.append(ctx.key)
         await ctx.connection.execute(
-            text("INSERT INTO accounts VALUES (:a, :c) ON CONFLICT (account) DO UPDATE"
-                 " SET balance_cents = accounts.balance_cents + excluded.balance_cents"),
+            text(
+                "INSERT INTO accounts VALUES (:a, :c) ON CONFLICT (account) DO UPDATE"
+                " SET balance_cents = accounts.balance_cents + excluded.balance_cents"
+            ),
             {"a": body["account"], "c": body["amount_cents"]},
         )
         if len(calls) == 1:

@@ -37,7 +37,11 @@ def _settings_parser() -> argparse.ArgumentParser:
     group = parser.add_argument_group("settings (each flag overrides its WORKER_* variable)")
     for spec in FIELDS:
         group.add_argument(
-            spec.flag, dest=spec.name, type=spec.parse, default=None, metavar=spec.name.upper(),
+            spec.flag,
+            dest=spec.name,
+            type=spec.parse,
+            default=None,
+            metavar=spec.name.upper(),
             help=f"{spec.help} [{spec.env}]",
         )
     return parser
@@ -92,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--duplicates", type=float, default=0.2, help="share of resent payments (default 0.2)"
     )
     demo.add_argument("--accounts", type=int, default=5, help="accounts to spread over")
-    demo.add_argument("--seed", type=int, default=1, help="random seed (payment ids derive from it)")
+    demo.add_argument(
+        "--seed", type=int, default=1, help="random seed (payment ids derive from it)"
+    )
     demo.set_defaults(func=_demo)
     return parser
 

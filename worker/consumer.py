@@ -123,12 +123,12 @@ class Consumer:
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._in_flight.add(task)  # type: ignore[arg-type]
+        self._in_flight.add(task)
         try:
             async with self._slots:
                 await self.handle(message)
         finally:
-            self._in_flight.discard(task)  # type: ignore[arg-type]
+            self._in_flight.discard(task)
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
         """Process one delivery to its end: acked after commit, parked, or returned to the queue."""
@@ -197,7 +197,9 @@ class Consumer:
                 handler=handler,
             )
         except Exception:
-            log.exception("could not park message %s; returning it to the queue", message.message_id)
+            log.exception(
+                "could not park message %s; returning it to the queue", message.message_id
+            )
             self.stats["requeued"] += 1
             await self._settle(message.nack(requeue=True))
             return

@@ -50,7 +50,7 @@ class Envelope:
 
 
 def idempotency_key(delivery: Delivery) -> str:
-    """The ``idempotency-key`` header, else the message_id; ``MissingKey``/``InvalidKey`` if unfit."""
+    """The ``idempotency-key`` header, else the message_id; raises if neither fits."""
     raw = delivery.headers.get(IDEMPOTENCY_KEY_HEADER)
     if raw is None or raw == "" or raw == b"":
         raw = delivery.message_id

@@ -58,7 +58,11 @@ async def fetch_key(conn: AsyncConnection, handler: str, key: str) -> InboxEntry
         inbox.c.handler == handler, inbox.c.key == key
     )
     row = (await conn.execute(stmt)).first()
-    return None if row is None else InboxEntry(row.status, bytes(row.fingerprint), row.result, row.error)
+    return (
+        None
+        if row is None
+        else InboxEntry(row.status, bytes(row.fingerprint), row.result, row.error)
+    )
 
 
 async def complete_key(conn: AsyncConnection, handler: str, key: str, result: Any) -> None:
@@ -95,5 +99,5 @@ async def append_outbox(conn: AsyncConnection, messages: Sequence[OutboxMessage]
 
 
 async def synchronous_commit(conn: AsyncConnection) -> str:
-    """The server's ``synchronous_commit`` for this connection ('off' would break ack-after-commit)."""
+    """The server's ``synchronous_commit`` for this connection ('off' breaks ack-after-commit)."""
     return str((await conn.execute(text("SHOW synchronous_commit"))).scalar_one())

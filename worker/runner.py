@@ -21,8 +21,8 @@ from tenacity import (
 )
 
 from worker.consumer import Consumer
-from worker.errors import is_transient
 from worker.database import check_durable_commits, create_engine
+from worker.errors import is_transient
 from worker.router import Router
 from worker.settings import Settings, redact
 

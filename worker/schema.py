@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
@@ -19,6 +20,13 @@ from worker.settings import Settings
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 WORKER_VERSION_TABLE = "alembic_version"
+
+
+def own_objects_only(
+    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
+) -> bool:
+    """Alembic ``include_object``: leave alone the tables of other histories in the database."""
+    return not (type_ == "table" and reflected and compare_to is None)
 
 
 def _config() -> Config:
@@ -39,7 +47,8 @@ def worker_config(settings: Settings) -> Config:
 
 def handler_config(settings: Settings, router: Router) -> Config:
     """The Alembic configuration of a handler module's own tables."""
-    assert router.migrations is not None and router.name is not None
+    assert router.migrations is not None
+    assert router.name is not None
     config = _config()
     config.set_main_option("version_locations", str(router.migrations))
     config.set_main_option("version_table", f"{WORKER_VERSION_TABLE}_{router.name}")

@@ -74,9 +74,7 @@ class Settings:
     log_level: str = "INFO"
 
     @classmethod
-    def load(
-        cls, environ: Mapping[str, str] | None = None, **overrides: Any
-    ) -> Settings:
+    def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Settings from ``environ`` (default: ``os.environ``), then non-None ``overrides``."""
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}

@@ -53,9 +53,7 @@ inbox = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("handler", "key"),
-    CheckConstraint(
-        "status IN ('in_progress', 'completed', 'failed')", name="status"
-    ),
+    CheckConstraint("status IN ('in_progress', 'completed', 'failed')", name="status"),
     Index(None, "updated_at"),
 )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
@@ -26,7 +27,7 @@ class Topology:
     dead_letter_queue: AbstractQueue
 
 
-def work_queue_arguments(settings: Settings) -> dict[str, str]:
+def work_queue_arguments(settings: Settings) -> dict[str, Any]:
     """Arguments of the work queue; they must stay the same across versions to redeclare it."""
     return {"x-dead-letter-exchange": settings.dead_letter_exchange}
 

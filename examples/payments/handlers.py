@@ -15,7 +15,9 @@ from sqlalchemy.dialects.postgresql import insert
 from examples.payments.tables import accounts, ledger_entries, metadata
 from worker import Context, Router
 
-router = Router("payments", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata)
+router = Router(
+    "payments", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata
+)
 
 
 class PaymentRequested(BaseModel):
@@ -31,10 +33,10 @@ class PaymentRequested(BaseModel):
 @router.handler("payment.requested")
 async def settle_payment(payment: PaymentRequested, ctx: Context) -> dict[str, Any]:
     """Credit the account, record the ledger entry and emit ``payment.settled``."""
-    credit = insert(accounts).values(account=payment.account, balance_cents=payment.amount_cents)
-    credit = credit.on_conflict_do_update(
+    new = insert(accounts).values(account=payment.account, balance_cents=payment.amount_cents)
+    credit = new.on_conflict_do_update(
         index_elements=[accounts.c.account],
-        set_={"balance_cents": accounts.c.balance_cents + credit.excluded.balance_cents},
+        set_={"balance_cents": accounts.c.balance_cents + new.excluded.balance_cents},
     ).returning(accounts.c.balance_cents)
     balance_cents = (await ctx.session.execute(credit)).scalar_one()
     await ctx.session.execute(

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from worker import tables
+from worker.schema import own_objects_only
 from worker.settings import Settings
 
 config = context.config
@@ -42,19 +43,12 @@ version_table = config.get_main_option("version_table") or "alembic_version"
 database_url = config.attributes.get("database_url") or Settings.load().sqlalchemy_url
 
 
-def _own_objects_only(
-    obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any
-) -> bool:
-    """Leave alone the tables of other histories that share the database."""
-    return not (type_ == "table" and reflected and compare_to is None)
-
-
 def _configure(connection: Connection | None = None, **kwargs: Any) -> None:
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
         version_table=version_table,
-        include_object=_own_objects_only,
+        include_object=own_objects_only,
         compare_type=True,
         **kwargs,
     )

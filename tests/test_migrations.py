@@ -1,0 +1,91 @@
+"""The migrations build exactly the tables the code declares, and undo cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import MetaData, inspect
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from examples.payments import router as payments
+from examples.payments.tables import metadata as payments_metadata
+from tests.conftest import BASE, _admin, _require_services, _with_database
+from worker import schema, tables
+from worker.settings import Settings
+
+
+@pytest.fixture
+def empty_database() -> Iterator[Settings]:
+    _require_services()
+    name = f"worker_migrations_{uuid.uuid4().hex[:10]}"
+    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
+    try:
+        yield BASE.replace(database_url=_with_database(BASE.database_url, name))
+    finally:
+        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+def _inspect(settings: Settings, fn: Any) -> Any:
+    async def go() -> Any:
+        engine = create_async_engine(settings.sqlalchemy_url)
+        try:
+            async with engine.connect() as conn:
+                return await conn.run_sync(fn)
+        finally:
+            await engine.dispose()
+
+    return asyncio.run(go())
+
+
+def _diff(metadata: MetaData) -> Any:
+    def compare(conn: Connection) -> list[Any]:
+        context = MigrationContext.configure(
+            conn,
+            opts={"compare_type": True, "include_object": schema.own_objects_only},
+        )
+        return list(compare_metadata(context, metadata))
+
+    return compare
+
+
+def _tables(conn: Connection) -> set[str]:
+    return set(inspect(conn).get_table_names())
+
+
+def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
+    empty_database: Settings,
+) -> None:
+    # When every migration runs on an empty database
+    schema.upgrade(empty_database, payments)
+
+    # Then the tables are exactly what the code declares
+    assert _inspect(empty_database, _diff(tables.metadata)) == []
+    assert _inspect(empty_database, _diff(payments_metadata)) == []
+    assert _inspect(empty_database, _tables) == {
+        "inbox",
+        "outbox",
+        "accounts",
+        "ledger_entries",
+        "alembic_version",
+        "alembic_version_payments",
+    }
+
+    # And downgrading to base removes them, after which upgrading works again
+    schema.downgrade(empty_database, payments)
+    assert _inspect(empty_database, _tables) <= {"alembic_version", "alembic_version_payments"}
+    schema.upgrade(empty_database, payments)
+    assert {"inbox", "accounts"} <= _inspect(empty_database, _tables)
+
+
+def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
+    empty_database: Settings,
+) -> None:
+    schema.upgrade(empty_database)  # no handler modules
+    assert _inspect(empty_database, _tables) == {"inbox", "outbox", "alembic_version"}

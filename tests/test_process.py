@@ -1,0 +1,155 @@
+"""The real ``worker run`` process: killed inside a transaction it has acked nothing, and a
+restart applies the message exactly once; SIGTERM drains and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import aio_pika
+import asyncpg
+from aio_pika import Message
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.helpers import scalar, wait_until
+from worker.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCK = 424242
+
+
+def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
+    """``python -m worker run`` with the blocking handlers; its output goes to ``log``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        PYTHONPATH=str(ROOT),
+        WORKER_DATABASE_URL=settings.database_url,
+        WORKER_AMQP_URL=settings.amqp_url,
+        WORKER_EXCHANGE=settings.exchange,
+        WORKER_QUEUE=settings.queue,
+        WORKER_HANDLERS="tests.blocking_handlers",
+    )
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "run"],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def wait_for_consumer(amqp: AbstractRobustConnection, queue: str) -> None:
+    async def consuming() -> bool:
+        channel = await amqp.channel()
+        try:
+            declared = await channel.declare_queue(queue, passive=True)
+        except aio_pika.exceptions.ChannelClosed:
+            return False
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        return bool(declared.declaration_result.consumer_count)
+
+    await wait_until(consuming, timeout=30)
+
+
+async def ready_count(amqp: AbstractRobustConnection, queue: str) -> int:
+    channel = await amqp.channel()
+    declared = await channel.declare_queue(queue, passive=True)
+    await channel.close()
+    return int(declared.declaration_result.message_count or 0)
+
+
+async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies_it_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    log = tmp_path / "worker.log"
+    # Given the test holds the lock the handler will wait on, inside its transaction
+    holder = await asyncpg.connect(settings.database_url)
+    await holder.execute("SELECT pg_advisory_lock($1)", LOCK)
+    worker = start_worker(settings, log)
+    try:
+        await wait_for_consumer(amqp, settings.queue)
+        channel = await amqp.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(settings.exchange)
+        body = {"account": "carol", "amount_cents": 42, "lock": LOCK}
+        await exchange.publish(
+            Message(json.dumps(body).encode(), headers={"idempotency-key": "crash-1"}),
+            routing_key="blocking.credit",
+        )
+
+        async def handler_waits() -> bool:
+            return bool(
+                await scalar(
+                    engine,
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                )
+            )
+
+        await wait_until(handler_waits)
+
+        # When the worker is killed while its transaction is open
+        worker.kill()
+        worker.wait(10)
+
+        # Then nothing was committed and the delivery is back in the queue, unacked
+        async def requeued() -> bool:
+            return await ready_count(amqp, settings.queue) == 1
+
+        await wait_until(requeued)
+        assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
+    finally:
+        await holder.execute("SELECT pg_advisory_unlock($1)", LOCK)
+        await holder.close()
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+
+    # When a new worker starts
+    restarted = start_worker(settings, log)
+    try:
+
+        async def applied() -> bool:
+            return bool(
+                await scalar(
+                    engine,
+                    "SELECT count(*) FROM inbox WHERE key = 'crash-1' AND status = 'completed'",
+                )
+            )
+
+        await wait_until(applied, timeout=30)
+        # a second delivery of the same key changes nothing
+        await exchange.publish(
+            Message(json.dumps(body).encode(), headers={"idempotency-key": "crash-1"}),
+            routing_key="blocking.credit",
+        )
+        await wait_until(lambda: _queue_drained(amqp, settings.queue))
+
+        # Then the effect exists exactly once, and SIGTERM drains and exits cleanly
+        restarted.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(restarted.wait, 30)
+        output = log.read_text(errors="replace")
+        assert restarted.returncode == 0, output
+        assert "stopped" in output
+    finally:
+        if restarted.poll() is None:
+            restarted.kill()
+            restarted.wait()
+    assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='carol'") == 42
+    assert await ready_count(amqp, settings.queue) == 0
+
+
+async def _queue_drained(amqp: AbstractRobustConnection, queue: str) -> Any:
+    channel = await amqp.channel()
+    declared = await channel.declare_queue(queue, passive=True)
+    await channel.close()
+    result = declared.declaration_result
+    return result.message_count == 0 and result.consumer_count == 1
