@@ -25,7 +25,7 @@ from examples.payments import router as payments_router
 from worker import runner, schema
 from worker.database import create_engine
 from worker.router import Router
-from worker.settings import Settings
+from worker.settings import Settings, redact
 
 BASE = Settings.load()
 
@@ -50,8 +50,8 @@ def _require_services() -> None:
             await conn.close()
         except Exception as exc:
             pytest.exit(
-                f"PostgreSQL is not reachable at WORKER_DATABASE_URL={BASE.database_url!r}: "
-                f"{exc!r}",
+                "PostgreSQL is not reachable at "
+                f"WORKER_DATABASE_URL={redact(BASE.database_url)!r}: {exc!r}",
                 returncode=3,
             )
         try:
@@ -59,7 +59,7 @@ def _require_services() -> None:
             await connection.close()
         except Exception as exc:
             pytest.exit(
-                f"RabbitMQ is not reachable at WORKER_AMQP_URL={BASE.amqp_url!r}: {exc!r}",
+                f"RabbitMQ is not reachable at WORKER_AMQP_URL={redact(BASE.amqp_url)!r}: {exc!r}",
                 returncode=3,
             )
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from pydantic_core import to_jsonable_python
@@ -29,6 +30,13 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
 def decode_json(body: bytes, content_type: str | None = None) -> Any:
     """The JSON value in ``body``; raises ``UndecodableBody`` saying why it is not one."""
     if not is_json_content_type(content_type):
@@ -38,7 +46,7 @@ def decode_json(body: bytes, content_type: str | None = None) -> Any:
     except UnicodeDecodeError as exc:
         raise UndecodableBody(f"body is not UTF-8: {exc}") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise UndecodableBody(f"body is not JSON: {exc}") from exc
 

@@ -1,0 +1,118 @@
+"""Bytes to JSON and back, and the canonical fingerprint; pure functions, no services."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+
+import pytest
+from pydantic import BaseModel
+
+from worker.codec import canonical_json, decode_json, encode_json, fingerprint
+from worker.errors import UndecodableBody
+
+
+def test_decode_json_returns_the_value() -> None:
+    body = '{"a": [1, 2.5, null, true], "b": {"c": "é"}}'.encode()
+    assert decode_json(body) == {"a": [1, 2.5, None, True], "b": {"c": "é"}}
+
+
+def test_decode_json_accepts_a_top_level_scalar_and_list() -> None:
+    assert decode_json(b"[1, 2]") == [1, 2]
+    assert decode_json(b'"text"') == "text"
+
+
+def test_non_utf8_body_is_undecodable_and_says_utf8() -> None:
+    with pytest.raises(UndecodableBody, match="UTF-8") as caught:
+        decode_json(b'{"a": "\xff\xfe"}')
+    assert caught.value.reason == "undecodable"
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"{'a': 1}", b"[1, 2,]", b"nope"])
+def test_invalid_json_is_undecodable(body: bytes) -> None:
+    with pytest.raises(UndecodableBody, match="not JSON"):
+        decode_json(body)
+
+
+@pytest.mark.parametrize(
+    "body", [b"NaN", b"Infinity", b"-Infinity", b'{"x": NaN}', b'{"x": [1, -Infinity]}']
+)
+def test_nan_and_infinity_are_rejected(body: bytes) -> None:
+    with pytest.raises(UndecodableBody):
+        decode_json(body)
+
+
+def test_out_of_range_number_is_rejected_like_infinity() -> None:
+    with pytest.raises(UndecodableBody):
+        decode_json(b'{"x": 1e400}')
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/xml", "application/jsonp"])
+def test_non_json_content_type_is_rejected(content_type: str) -> None:
+    with pytest.raises(UndecodableBody, match="content type"):
+        decode_json(b"{}", content_type)
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [
+        None,
+        "",
+        "application/json",
+        "application/json; charset=utf-8",
+        "Application/JSON",
+        "application/vnd.x+json",
+    ],
+)
+def test_json_content_types_and_a_missing_one_are_accepted(content_type: str | None) -> None:
+    assert decode_json(b'{"a": 1}', content_type) == {"a": 1}
+
+
+def test_fingerprint_ignores_key_order_and_whitespace() -> None:
+    a = decode_json(b'{"payment_id": "p1", "nested": {"x": 1, "y": [1, 2]}, "amount": 5}')
+    b = decode_json(b'{"amount":5,\n  "nested":{"y":[1,2],"x":1},"payment_id":"p1"}')
+    assert fingerprint(a) == fingerprint(b)
+
+
+def test_fingerprint_changes_with_a_value() -> None:
+    a = decode_json(b'{"payment_id": "p1", "amount": 5}')
+    b = decode_json(b'{"payment_id": "p1", "amount": 6}')
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_fingerprint_is_a_sha256_digest_of_the_canonical_form() -> None:
+    value = {"b": 1, "a": "x"}
+    digest = fingerprint(value)
+    assert isinstance(digest, bytes)
+    assert len(digest) == 32
+    assert digest == hashlib.sha256(b'{"a":"x","b":1}').digest()
+
+
+def test_canonical_json_is_sorted_compact_utf8() -> None:
+    value = {"b": [1, {"z": 1, "y": 2}], "a": "é"}
+    assert canonical_json(value) == '{"a":"é","b":[1,{"y":2,"z":1}]}'.encode()
+
+
+def test_canonical_json_refuses_nan() -> None:
+    with pytest.raises(ValueError, match="JSON"):
+        canonical_json({"x": float("nan")})
+
+
+class Payment(BaseModel):
+    payment_id: str
+    amount_cents: int
+
+
+def test_encode_json_handles_pydantic_models_and_uuids() -> None:
+    ident = uuid.UUID("12345678-1234-5678-1234-567812345678")
+    encoded = encode_json({"id": ident, "payment": Payment(payment_id="p1", amount_cents=5)})
+    assert b" " not in encoded
+    assert json.loads(encoded) == {
+        "id": "12345678-1234-5678-1234-567812345678",
+        "payment": {"payment_id": "p1", "amount_cents": 5},
+    }
+
+
+def test_encode_json_keeps_non_ascii_as_utf8() -> None:
+    assert encode_json({"name": "Zoë"}) == '{"name":"Zoë"}'.encode()

@@ -1,0 +1,103 @@
+"""Settings from a given environment and overrides; nothing here reads os.environ."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.errors import ConfigurationError
+from worker.settings import FIELDS, Settings, redact
+
+
+def test_an_empty_environment_gives_the_defaults() -> None:
+    assert Settings.load({}) == Settings()
+
+
+def test_values_come_from_the_environment() -> None:
+    settings = Settings.load(
+        {
+            "WORKER_QUEUE": "jobs",
+            "WORKER_PREFETCH": "7",
+            "WORKER_HANDLERS": "a, b,,c",
+            "WORKER_MAX_BODY_BYTES": "2048",
+            "UNRELATED": "x",
+        }
+    )
+    assert settings.queue == "jobs"
+    assert settings.prefetch == 7
+    assert settings.handlers == ("a", "b", "c")
+    assert settings.max_body_bytes == 2048
+    assert settings.exchange == Settings().exchange
+
+
+def test_an_empty_variable_keeps_the_default() -> None:
+    assert Settings.load({"WORKER_QUEUE": "", "WORKER_PREFETCH": ""}) == Settings()
+
+
+def test_overrides_win_over_the_environment() -> None:
+    settings = Settings.load({"WORKER_QUEUE": "env", "WORKER_PREFETCH": "7"}, queue="flag")
+    assert (settings.queue, settings.prefetch) == ("flag", 7)
+
+
+def test_none_overrides_are_ignored() -> None:
+    settings = Settings.load({"WORKER_QUEUE": "env"}, queue=None, prefetch=None)
+    assert (settings.queue, settings.prefetch) == ("env", Settings().prefetch)
+
+
+@pytest.mark.parametrize("raw", ["0", "-3", "x", "1.5"])
+def test_a_bad_prefetch_names_the_variable(raw: str) -> None:
+    with pytest.raises(ConfigurationError, match="WORKER_PREFETCH"):
+        Settings.load({"WORKER_PREFETCH": raw})
+
+
+def test_every_field_is_a_settings_attribute_with_a_worker_variable() -> None:
+    names = {spec.name for spec in FIELDS}
+    assert names == set(Settings.__dataclass_fields__)
+    assert all(spec.env == "WORKER_" + spec.name.upper() for spec in FIELDS)
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("postgres://u:p@h:5432/db", "postgresql+asyncpg://u:p@h:5432/db"),
+        ("postgresql://u:p@h:5432/db", "postgresql+asyncpg://u:p@h:5432/db"),
+        ("postgresql+asyncpg://h/db", "postgresql+asyncpg://h/db"),
+    ],
+)
+def test_sqlalchemy_url_names_asyncpg(url: str, expected: str) -> None:
+    assert Settings(database_url=url).sqlalchemy_url == expected
+
+
+@pytest.mark.parametrize("url", ["mysql://u:p@h/db", "postgresql+psycopg://h/db"])
+def test_sqlalchemy_url_refuses_other_databases(url: str) -> None:
+    with pytest.raises(ConfigurationError, match="postgresql://"):
+        _ = Settings(database_url=url).sqlalchemy_url
+
+
+def test_redact_hides_the_password() -> None:
+    redacted = redact("postgresql://alice:s3cret@db.example:5432/app?sslmode=require")
+    assert redacted == "postgresql://alice:***@db.example:5432/app?sslmode=require"
+    assert "s3cret" not in redacted
+
+
+def test_redact_hides_a_password_containing_at_signs() -> None:
+    redacted = redact("amqp://guest:p@ss@rabbit:5672/vhost")
+    assert redacted == "amqp://guest:***@rabbit:5672/vhost"
+
+
+@pytest.mark.parametrize(
+    "url", ["postgresql://alice@db:5432/app", "amqp://rabbit:5672/", "postgresql:///app"]
+)
+def test_redact_leaves_a_url_without_password_as_it_is(url: str) -> None:
+    assert redact(url) == url
+
+
+def test_dead_letter_names_derive_from_the_queue() -> None:
+    settings = Settings(queue="jobs")
+    assert settings.dead_letter_queue == "jobs.dlq"
+    assert settings.dead_letter_exchange == "jobs.dlx"
+
+
+def test_replace_changes_only_what_it_names() -> None:
+    base = Settings.load({"WORKER_QUEUE": "jobs"})
+    changed = base.replace(prefetch=3)
+    assert (changed.queue, changed.prefetch, base.prefetch) == ("jobs", 3, Settings().prefetch)
