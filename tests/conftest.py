@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
@@ -127,10 +128,11 @@ async def amqp() -> AsyncIterator[AbstractRobustConnection]:
 
 @dataclass
 class RunningWorker:
-    task: asyncio.Task[object]
+    task: asyncio.Task[Counter[str]]
     stop: asyncio.Event
+    stats: Counter[str]
 
-    async def shutdown(self) -> object:
+    async def shutdown(self) -> Counter[str]:
         self.stop.set()
         return await asyncio.wait_for(self.task, 30)
 
@@ -138,14 +140,14 @@ class RunningWorker:
 @contextlib.asynccontextmanager
 async def running_worker(settings: Settings, router: Router) -> AsyncIterator[RunningWorker]:
     """The worker's real runner, in-process, stopped (drained) on exit."""
-    stop, started = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(runner.run(settings, router, stop, started))
+    stop, started, stats = asyncio.Event(), asyncio.Event(), Counter[str]()
+    task = asyncio.create_task(runner.run(settings, router, stop, started, stats))
     waiter = asyncio.create_task(started.wait())
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task in done:
         task.result()  # raises what stopped it
-    worker = RunningWorker(task, stop)
+    worker = RunningWorker(task, stop, stats)
     try:
         yield worker
     finally:

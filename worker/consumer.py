@@ -66,12 +66,13 @@ class Consumer:
         router: Router,
         engine: AsyncEngine,
         connection: AbstractRobustConnection,
+        stats: Counter[str] | None = None,
     ) -> None:
         self.settings = settings
         self.router = router
         self.engine = engine
         self.connection = connection
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter() if stats is None else stats
         self._slots = asyncio.Semaphore(settings.concurrency)
         self._in_flight: set[asyncio.Task[None]] = set()
         self._channel: AbstractChannel | None = None

@@ -68,8 +68,9 @@ async def run(
     router: Router,
     stop: asyncio.Event,
     started: asyncio.Event | None = None,
+    stats: Counter[str] | None = None,
 ) -> Counter[str]:
-    """Consume until ``stop`` is set; return the outcome counts."""
+    """Consume until ``stop`` is set; count outcomes in ``stats`` (a new one by default)."""
     log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
     engine = create_engine(settings)
     try:
@@ -78,7 +79,7 @@ async def run(
                 await check_durable_commits(engine)
         connection = await connect_broker(settings)
         try:
-            consumer = Consumer(settings, router, engine, connection)
+            consumer = Consumer(settings, router, engine, connection, stats)
             await consumer.start()
             reporter = asyncio.create_task(report_stats(consumer.stats), name="stats")
             if started is not None:
