@@ -15,7 +15,7 @@ from typing import Any
 import aio_pika
 import asyncpg
 from aio_pika import Message
-from aio_pika.abc import AbstractRobustConnection
+from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import scalar, wait_until
@@ -68,6 +68,33 @@ async def ready_count(amqp: AbstractRobustConnection, queue: str) -> int:
     return int(declared.declaration_result.message_count or 0)
 
 
+async def send_blocking_credit(
+    amqp: AbstractRobustConnection,
+    engine: AsyncEngine,
+    settings: Settings,
+    body: dict[str, Any],
+    key: str,
+) -> AbstractExchange:
+    """Publish a ``blocking.credit`` message and wait until its handler waits on the lock inside
+    its open transaction; return the exchange for further publishing."""
+    channel = await amqp.channel(publisher_confirms=True)
+    exchange = await channel.get_exchange(settings.exchange)
+    await exchange.publish(
+        Message(json.dumps(body).encode(), headers={"idempotency-key": key}),
+        routing_key="blocking.credit",
+    )
+
+    async def handler_waits() -> bool:
+        return bool(
+            await scalar(
+                engine, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            )
+        )
+
+    await wait_until(handler_waits)
+    return exchange
+
+
 async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies_it_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
@@ -78,23 +105,8 @@ async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies
     worker = start_worker(settings, log)
     try:
         await wait_for_consumer(amqp, settings.queue)
-        channel = await amqp.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange(settings.exchange)
         body = {"account": "carol", "amount_cents": 42, "lock": LOCK}
-        await exchange.publish(
-            Message(json.dumps(body).encode(), headers={"idempotency-key": "crash-1"}),
-            routing_key="blocking.credit",
-        )
-
-        async def handler_waits() -> bool:
-            return bool(
-                await scalar(
-                    engine,
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-                )
-            )
-
-        await wait_until(handler_waits)
+        exchange = await send_blocking_credit(amqp, engine, settings, body, "crash-1")
 
         # When the worker is killed while its transaction is open
         worker.kill()

@@ -5,7 +5,6 @@ the redelivery into a duplicate — one effect."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import signal
 import subprocess
@@ -13,12 +12,11 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import scalar, wait_until
-from tests.test_process import start_worker, wait_for_consumer
+from tests.test_process import send_blocking_credit, start_worker, wait_for_consumer
 from worker.settings import Settings
 
 LOCK = 515151
@@ -45,23 +43,8 @@ async def test_connection_closed_after_commit_before_ack_gives_one_effect(
     worker = start_worker(settings, log)
     try:
         await wait_for_consumer(amqp, settings.queue)
-        channel = await amqp.channel(publisher_confirms=True)
-        exchange = await channel.get_exchange(settings.exchange)
         body = {"account": "dave", "amount_cents": 9, "lock": LOCK}
-        await exchange.publish(
-            Message(json.dumps(body).encode(), headers={"idempotency-key": "lost-ack"}),
-            routing_key="blocking.credit",
-        )
-
-        async def handler_waits() -> bool:
-            return bool(
-                await scalar(
-                    engine,
-                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
-                )
-            )
-
-        await wait_until(handler_waits)
+        await send_blocking_credit(amqp, engine, settings, body, "lost-ack")
 
         # When every broker connection is cut while the transaction is open, and the
         # transaction then commits
