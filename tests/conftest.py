@@ -29,6 +29,14 @@ from worker.router import Router
 from worker.settings import Settings, redact
 
 BASE = Settings.load()
+TABLES = (
+    "inbox",
+    "outbox",
+    "outbox_parked",
+    "accounts",
+    "ledger_entries",
+    "settlement_notices",
+)
 
 
 def _with_database(url: str, database: str) -> str:
@@ -116,7 +124,7 @@ async def clean_tables(request: pytest.FixtureRequest) -> None:
         return
     engine: AsyncEngine = request.getfixturevalue("engine")
     async with engine.begin() as conn:
-        await conn.execute(text("TRUNCATE inbox, outbox, accounts, ledger_entries"))
+        await conn.execute(text(f"TRUNCATE {', '.join(TABLES)}"))
 
 
 @pytest.fixture

@@ -71,8 +71,10 @@ def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
     assert _inspect(empty_database, _tables) == {
         "inbox",
         "outbox",
+        "outbox_parked",
         "accounts",
         "ledger_entries",
+        "settlement_notices",
         "alembic_version",
         "alembic_version_payments",
     }
@@ -88,4 +90,9 @@ def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
     empty_database: Settings,
 ) -> None:
     schema.upgrade(empty_database)  # no handler modules
-    assert _inspect(empty_database, _tables) == {"inbox", "outbox", "alembic_version"}
+    assert _inspect(empty_database, _tables) == {
+        "inbox",
+        "outbox",
+        "outbox_parked",
+        "alembic_version",
+    }

@@ -20,7 +20,7 @@ def test_a_module_name_loads_its_router() -> None:
     router = load_router_from("examples.payments")
     assert router is payments_router
     assert router.name == "payments"
-    assert router.routing_keys() == ["payment.requested"]
+    assert router.routing_keys() == ["payment.requested", "payment.settled"]
 
 
 def test_module_colon_attribute_loads_that_router() -> None:
@@ -46,7 +46,7 @@ def test_the_same_router_named_twice_is_included_once() -> None:
     combined = load_routers(
         ["examples.payments", "examples.payments:router"], include_installed=False
     )
-    assert combined.routing_keys() == ["payment.requested"]
+    assert combined.routing_keys() == ["payment.requested", "payment.settled"]
     assert list(combined.with_migrations()) == [payments_router]
 
 

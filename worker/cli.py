@@ -1,4 +1,4 @@
-"""The ``worker`` command: run the consumer, apply migrations, send demo traffic.
+"""The ``worker`` command: run the consumer, run a relay, apply migrations, send demo traffic.
 
 Every setting is a ``WORKER_*`` environment variable and a flag of the same name; a flag wins.
 """
@@ -10,12 +10,12 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from worker.errors import ConfigurationError
 from worker.plugins import ENTRY_POINT_GROUP, load_routers
-from worker.settings import FIELDS, Settings
+from worker.settings import FIELDS, Settings, boolean
 
 log = logging.getLogger("worker")
 
@@ -27,7 +27,7 @@ def _settings_help() -> str:
         default = getattr(defaults, spec.name)
         if isinstance(default, tuple):
             default = ",".join(default) or "(none)"
-        lines.append(f"  {spec.env:<24} {spec.flag:<18} {default}")
+        lines.append(f"  {spec.env:<28} {spec.flag:<22} {default}")
         lines.append(f"      {spec.help}")
     return "\n".join(lines)
 
@@ -36,6 +36,15 @@ def _settings_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     group = parser.add_argument_group("settings (each flag overrides its WORKER_* variable)")
     for spec in FIELDS:
+        if spec.parse is boolean:
+            group.add_argument(
+                spec.flag,
+                dest=spec.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=f"{spec.help} [{spec.env}]",
+            )
+            continue
         group.add_argument(
             spec.flag,
             dest=spec.name,
@@ -73,6 +82,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     run.set_defaults(func=_run)
+
+    relay = commands.add_parser(
+        "relay",
+        parents=[common],
+        help="publish committed outbox rows (a relay on its own, no consumer)",
+        description=(
+            "Publish the outbox with publisher confirms until SIGTERM/SIGINT. Any number of "
+            "relays may run at once, beside the ones inside `worker run`."
+        ),
+        epilog=_settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    relay.set_defaults(func=_relay)
 
     migrate = commands.add_parser(
         "migrate",
@@ -117,15 +139,24 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
             f"or install a package with a {ENTRY_POINT_GROUP!r} entry point"
         )
 
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await runner.run(settings, router, stop)
-
-    asyncio.run(main())
+    asyncio.run(_until_signalled(lambda stop: runner.run(settings, router, stop)))
     return 0
+
+
+def _relay(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import runner
+
+    asyncio.run(_until_signalled(lambda stop: runner.run_relay(settings, stop)))
+    return 0
+
+
+async def _until_signalled(serve: Callable[[asyncio.Event], Awaitable[object]]) -> None:
+    """Run ``serve`` until SIGTERM or SIGINT sets its stop event."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve(stop)
 
 
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:

@@ -67,8 +67,10 @@ class Consumer:
         engine: AsyncEngine,
         connection: AbstractRobustConnection,
         stats: Counter[str] | None = None,
+        on_events: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
+        self.on_events = on_events
         self.router = router
         self.engine = engine
         self.connection = connection
@@ -140,7 +142,13 @@ class Consumer:
                 delivery, self.router, max_body_bytes=self.settings.max_body_bytes
             )
             outcome = await self._retry_transient(
-                lambda: process(self.engine, envelope, default_exchange=self.settings.exchange)
+                lambda: process(
+                    self.engine,
+                    envelope,
+                    default_exchange=self.settings.exchange,
+                    notify=self.settings.outbox_notify,
+                    on_events=self.on_events,
+                )
             )
         except Rejected as exc:
             await self._park(message, exc, envelope)

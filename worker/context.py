@@ -49,6 +49,11 @@ class Context:
         return self.envelope.key
 
     @property
+    def message_id(self) -> str | None:
+        """The incoming message's id (for events from the relay: the outbox row's stable id)."""
+        return self.envelope.delivery.message_id
+
+    @property
     def session(self) -> AsyncSession:
         """An ORM session bound to the unit of work's transaction; it cannot commit on its own."""
         if self._session is None:

@@ -9,11 +9,13 @@ from worker.errors import ConfigurationError
 from worker.settings import Settings
 
 
-def create_engine(settings: Settings, *, application_name: str = "worker") -> AsyncEngine:
-    """An engine whose pool holds one connection per concurrent unit of work."""
+def create_engine(
+    settings: Settings, *, application_name: str = "worker", pool_size: int | None = None
+) -> AsyncEngine:
+    """An engine whose pool holds one connection per concurrent unit of work (or ``pool_size``)."""
     return create_async_engine(
         settings.sqlalchemy_url,
-        pool_size=settings.concurrency,
+        pool_size=settings.concurrency if pool_size is None else pool_size,
         max_overflow=2,
         pool_timeout=60,
         connect_args={"server_settings": {"application_name": application_name}},

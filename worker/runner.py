@@ -1,17 +1,21 @@
 """Running the worker: connect, declare, consume until told to stop, then drain and close.
 
 Shutdown order keeps the promise: stop consuming, let in-flight units of work commit and ack,
-close the channel (unstarted prefetched deliveries return to the queue), then the connections.
+close the channel (unstarted prefetched deliveries return to the queue), let the relay finish its
+batch, then close the connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
+from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
 from tenacity import (
     AsyncRetrying,
     before_sleep_log,
@@ -23,6 +27,7 @@ from tenacity import (
 from worker.consumer import Consumer
 from worker.database import check_durable_commits, create_engine
 from worker.errors import is_transient
+from worker.relay import Relay
 from worker.router import Router
 from worker.settings import Settings, redact
 
@@ -63,6 +68,30 @@ async def report_stats(stats: Counter[str], interval: float = STATS_INTERVAL) ->
             log.info("stats %s", " ".join(f"{k}={v}" for k, v in sorted(stats.items())))
 
 
+async def _open_engine(
+    stack: contextlib.AsyncExitStack, settings: Settings, **kwargs: Any
+) -> AsyncEngine:
+    engine = create_engine(settings, **kwargs)
+    stack.push_async_callback(engine.dispose)
+    async for attempt in while_starting():
+        with attempt:
+            await check_durable_commits(engine)
+    return engine
+
+
+async def _open_relay(
+    stack: contextlib.AsyncExitStack, settings: Settings, stats: Counter[str]
+) -> Relay:
+    """A relay on a database pool and a broker connection of its own.
+
+    Its own connection keeps publisher flow control from ever holding up the consumer's acks.
+    """
+    engine = await _open_engine(stack, settings, application_name="worker-relay", pool_size=2)
+    connection = await connect_broker(settings, name="worker-relay")
+    stack.push_async_callback(connection.close)
+    return Relay(settings, engine, connection, stats)
+
+
 async def run(
     settings: Settings,
     router: Router,
@@ -70,29 +99,72 @@ async def run(
     started: asyncio.Event | None = None,
     stats: Counter[str] | None = None,
 ) -> Counter[str]:
-    """Consume until ``stop`` is set; count outcomes in ``stats`` (a new one by default)."""
+    """Consume until ``stop`` is set; count outcomes in ``stats`` (a new one by default).
+
+    Unless ``settings.relay`` is off, an outbox relay runs alongside, woken by every commit that
+    added events. If the relay dies, the consumer is drained and the error is raised: the process
+    never runs half-alive.
+    """
+    stats = Counter() if stats is None else stats
     log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
-    engine = create_engine(settings)
-    try:
-        async for attempt in while_starting():
-            with attempt:
-                await check_durable_commits(engine)
+    async with contextlib.AsyncExitStack() as stack:
+        engine = await _open_engine(stack, settings)
+        relay = await _open_relay(stack, settings, stats) if settings.relay else None
         connection = await connect_broker(settings)
+        stack.push_async_callback(connection.close)
+        consumer = Consumer(
+            settings, router, engine, connection, stats, on_events=relay.wake if relay else None
+        )
+        await consumer.start()
+        relay_stop = asyncio.Event()
+        relay_task = asyncio.create_task(relay.run(relay_stop), name="relay") if relay else None
+        reporter = asyncio.create_task(report_stats(stats), name="stats")
+        if started is not None:
+            started.set()
         try:
-            consumer = Consumer(settings, router, engine, connection, stats)
-            await consumer.start()
-            reporter = asyncio.create_task(report_stats(consumer.stats), name="stats")
-            if started is not None:
-                started.set()
-            try:
-                await stop.wait()
-            finally:
-                log.info("stopping: draining in-flight messages")
-                await consumer.stop()
-                reporter.cancel()
-            log.info("stopped; %s", dict(consumer.stats))
-            return consumer.stats
+            await _until_stopped(stop, relay_task)
         finally:
-            await connection.close()
+            log.info("stopping: draining in-flight messages")
+            await consumer.stop()
+            relay_stop.set()
+            if relay_task is not None:
+                await asyncio.gather(relay_task, return_exceptions=True)
+            reporter.cancel()
+        log.info("stopped; %s", dict(stats))
+        return stats
+
+
+async def run_relay(
+    settings: Settings,
+    stop: asyncio.Event,
+    started: asyncio.Event | None = None,
+    stats: Counter[str] | None = None,
+) -> Counter[str]:
+    """Relay the outbox until ``stop`` is set (the ``worker relay`` command)."""
+    stats = Counter() if stats is None else stats
+    log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
+    async with contextlib.AsyncExitStack() as stack:
+        relay = await _open_relay(stack, settings, stats)
+        reporter = asyncio.create_task(report_stats(stats), name="stats")
+        if started is not None:
+            started.set()
+        try:
+            await relay.run(stop)
+        finally:
+            reporter.cancel()
+        log.info("stopped; %s", dict(stats))
+        return stats
+
+
+async def _until_stopped(stop: asyncio.Event, task: asyncio.Task[None] | None) -> None:
+    """Return when ``stop`` is set; raise if ``task`` ends first, whatever the reason."""
+    waiter = asyncio.create_task(stop.wait())
+    watched = {waiter} if task is None else {waiter, task}
+    try:
+        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        await engine.dispose()
+        waiter.cancel()
+    if task is not None and task.done() and not stop.is_set():
+        raise RuntimeError(f"the {task.get_name()} task stopped unexpectedly") from (
+            task.exception() if not task.cancelled() else None
+        )

@@ -25,6 +25,25 @@ def _positive_int(raw: str) -> int:
     return value
 
 
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0 or value == float("inf"):
+        raise ValueError("must be a positive number of seconds")
+    return value
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def boolean(raw: str) -> bool:
+    """``true/false``, ``yes/no``, ``on/off`` or ``1/0``, in any case."""
+    value = raw.strip().lower()
+    if value in _TRUE | _FALSE:
+        return value in _TRUE
+    raise ValueError("must be true or false")
+
+
 def _handler_list(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
@@ -56,6 +75,16 @@ FIELDS: tuple[Field, ...] = (
     Field("handlers", _handler_list, "comma-separated handler modules to load"),
     Field("max_body_bytes", _positive_int, "larger message bodies are dead-lettered"),
     Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+    Field("relay", boolean, "run the outbox relay inside `worker run` too"),
+    Field("relay_batch_size", _positive_int, "outbox rows the relay claims per transaction"),
+    Field("relay_max_attempts", _positive_int, "failed publishes of a row before it is parked"),
+    Field(
+        "relay_retry_delay",
+        _positive_float,
+        "seconds before a failed row's first retry; doubles per attempt, at most 5 minutes",
+    ),
+    Field("relay_poll_interval", _positive_float, "longest wait, in seconds, of an idle relay"),
+    Field("outbox_notify", boolean, "NOTIFY relays after each commit that added outbox rows"),
 )
 
 
@@ -72,6 +101,12 @@ class Settings:
     handlers: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 1024 * 1024
     log_level: str = "INFO"
+    relay: bool = True
+    relay_batch_size: int = 100
+    relay_max_attempts: int = 10
+    relay_retry_delay: float = 1.0
+    relay_poll_interval: float = 1.0
+    outbox_notify: bool = True
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

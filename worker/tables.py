@@ -1,7 +1,8 @@
 """The worker's own tables. Migrations in ``worker/migrations`` create exactly this metadata.
 
 ``inbox`` holds one row per (handler, idempotency key) whose effect has committed; ``outbox``
-holds events committed with an effect and not yet confirmed by the broker.
+holds events committed with an effect and not yet confirmed by the broker; ``outbox_parked`` holds
+events the relay gave up on after its last attempt, for an operator to inspect and retry.
 """
 
 from __future__ import annotations
@@ -71,7 +72,33 @@ outbox = Table(
     Column("causation_id", Text, nullable=True),
     Column("ordering_key", Text, nullable=True),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("last_error", Text, nullable=True),
     Column("available_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "available_at", "id"),
+    Index(
+        None,
+        "ordering_key",
+        "id",
+        postgresql_where=text("ordering_key IS NOT NULL"),
+    ),
+)
+
+outbox_parked = Table(
+    "outbox_parked",
+    metadata,
+    Column("id", BigInteger, primary_key=True, autoincrement=False, comment="the outbox id"),
+    Column("message_id", Uuid, nullable=False, unique=True),
+    Column("exchange", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("content_type", Text, nullable=False),
+    Column("headers", JSONB, nullable=False),
+    Column("correlation_id", Text, nullable=True),
+    Column("causation_id", Text, nullable=True),
+    Column("ordering_key", Text, nullable=True),
+    Column("attempts", Integer, nullable=False),
+    Column("last_error", Text, nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )

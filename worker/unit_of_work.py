@@ -8,6 +8,7 @@ it does; the caller acks the delivery only after ``process`` has returned, i.e. 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -24,8 +25,18 @@ class Outcome(enum.Enum):
     DUPLICATE = "duplicate"
 
 
-async def process(engine: AsyncEngine, envelope: Envelope, *, default_exchange: str) -> Outcome:
+async def process(
+    engine: AsyncEngine,
+    envelope: Envelope,
+    *,
+    default_exchange: str,
+    notify: bool = False,
+    on_events: Callable[[], None] | None = None,
+) -> Outcome:
     """Apply ``envelope``'s effect exactly once per (handler, key), committing before returning.
+
+    When the handler published events, ``notify`` sends one NOTIFY to listening relays with the
+    commit, and ``on_events`` is called after the commit (to wake an in-process relay).
 
     Raises ``KeyReused`` when the key is known with another fingerprint, ``HandlerFailed`` when
     the handler (or storing what it produced) fails permanently, and transient errors as they
@@ -45,7 +56,7 @@ async def process(engine: AsyncEngine, envelope: Envelope, *, default_exchange: 
         try:
             result = await handler.func(envelope.payload, ctx)
             await ctx.flush()
-            await queries.append_outbox(conn, ctx.outbox)
+            await queries.append_outbox(conn, ctx.outbox, notify=notify)
             await queries.complete_key(conn, handler.name, envelope.key, result)
         except Exception as exc:
             if is_transient(exc):
@@ -53,4 +64,6 @@ async def process(engine: AsyncEngine, envelope: Envelope, *, default_exchange: 
             raise HandlerFailed(f"{type(exc).__name__}: {exc}") from exc
         finally:
             await ctx.close()
+    if ctx.outbox and on_events is not None:
+        on_events()
     return Outcome.PROCESSED

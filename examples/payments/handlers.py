@@ -2,6 +2,10 @@
 
 ``payment.requested`` → add the amount to the account's balance, write a ledger entry and emit
 ``payment.settled``, all in the worker's one transaction. A redelivery changes nothing.
+
+``payment.settled`` → record a settlement notice for the account holder, once per event: the
+relay may publish an event more than once, and the inbox recognises the repeat by its message id.
+Events of one account carry the account as their ordering key, so notices follow the balance.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.dialects.postgresql import insert
 
-from examples.payments.tables import accounts, ledger_entries, metadata
+from examples.payments.tables import accounts, ledger_entries, metadata, settlement_notices
 from worker import Context, Router
 
 router = Router(
@@ -52,5 +56,25 @@ async def settle_payment(payment: PaymentRequested, ctx: Context) -> dict[str, A
         "amount_cents": payment.amount_cents,
         "balance_cents": balance_cents,
     }
-    ctx.publish("payment.settled", settled)
+    ctx.publish("payment.settled", settled, ordering_key=payment.account)
     return settled
+
+
+class PaymentSettled(PaymentRequested):
+    """The body of ``payment.settled``: the payment and the account's balance after it."""
+
+    balance_cents: int
+
+
+@router.handler("payment.settled")
+async def record_settlement_notice(event: PaymentSettled, ctx: Context) -> None:
+    """Log the notice the account holder gets for a settled payment (one row per event)."""
+    await ctx.session.execute(
+        insert(settlement_notices).values(
+            payment_id=event.payment_id,
+            event_id=ctx.message_id or ctx.key,
+            account=event.account,
+            amount_cents=event.amount_cents,
+            balance_cents=event.balance_cents,
+        )
+    )

@@ -1,0 +1,313 @@
+"""The outbox relay: committed events out to RabbitMQ, at least once, in order per ordering key.
+
+One batch is one transaction: claim due rows (``FOR UPDATE SKIP LOCKED``, oldest first), publish
+them persistent and ``mandatory`` with publisher confirms, delete the confirmed ones, count a
+failure on the returned or nacked ones, commit. A row is deleted only in the transaction that
+claimed it and only after its confirm, so a crash anywhere publishes it again (same message id)
+rather than losing it. Rows of one ordering key go one at a time, in id order, which is their
+commit order; other rows are published concurrently, their confirms pipelined.
+
+A broker or database outage fails the whole batch: it rolls back and is retried with backoff.
+A row the broker returns or nacks fails alone: its next try moves out exponentially, and after
+``relay_max_attempts`` it is moved to ``outbox_parked``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Awaitable, Iterable
+from typing import Any
+
+import aio_pika
+import aiormq.exceptions
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    before_sleep_log,
+    retry_if_exception,
+    wait_exponential,
+    wait_random,
+)
+
+from worker import queries
+from worker.errors import is_transient
+from worker.faults import RELAY_AFTER_PUBLISH, crash_point
+from worker.queries import OutboxRow
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+
+PUBLISH_TIMEOUT = 30.0
+"""Seconds a batch may wait for its confirms before the whole batch is retried."""
+
+MIN_IDLE = 0.05
+"""First wait of a relay that found less than a full batch; it doubles up to the poll interval."""
+
+CAUSATION_HEADER = "causation-id"
+
+
+def _batch_can_retry(exc: BaseException) -> bool:
+    """An outage of the broker or the database: the batch rolled back and may be tried again."""
+    return is_transient(exc) or isinstance(
+        exc, aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError
+    )
+
+
+def message_of(row: OutboxRow) -> aio_pika.Message:
+    """The AMQP message for an outbox row: persistent, identified by the row's message id."""
+    return aio_pika.Message(
+        row.body,
+        headers={**row.headers, CAUSATION_HEADER: row.causation_id},
+        content_type=row.content_type,
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+        message_id=str(row.message_id),
+        correlation_id=row.correlation_id,
+        timestamp=row.created_at,
+    )
+
+
+class Relay:
+    """Publishes the outbox until stopped; ``wake()`` makes it look at once.
+
+    ``stats`` counts ``relay_published``, ``relay_failed`` (returned, nacked or unpublishable,
+    to be retried) and ``relay_parked``.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        connection: AbstractRobustConnection,
+        stats: Counter[str] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.connection = connection
+        self.stats: Counter[str] = Counter() if stats is None else stats
+        self._wake = asyncio.Event()
+        self._channel: AbstractChannel | None = None
+        self._exchanges: dict[str, AbstractExchange] = {}
+
+    def wake(self) -> None:
+        """Ask for a batch now: new rows were committed."""
+        self._wake.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Relay batches until ``stop`` is set; the batch under way when it is set completes."""
+        self._channel = await self.connection.channel(
+            publisher_confirms=True, on_return_raises=True
+        )
+        listener = (
+            asyncio.create_task(self._listen(stop), name="outbox-listener")
+            if self.settings.outbox_notify
+            else None
+        )
+        log.info(
+            "relaying the outbox (batch %d, %d attempts before parking)",
+            self.settings.relay_batch_size,
+            self.settings.relay_max_attempts,
+        )
+        idle = MIN_IDLE
+        try:
+            while not stop.is_set():
+                try:
+                    claimed = await self._relay_batch_retrying(stop)
+                except Exception:
+                    if stop.is_set():
+                        break  # an outage during shutdown: the rows stay for the next start
+                    raise
+                if claimed >= self.settings.relay_batch_size:
+                    continue
+                idle = MIN_IDLE if claimed else min(idle * 2, self.settings.relay_poll_interval)
+                await self._idle(stop, idle)
+        finally:
+            if listener is not None:
+                listener.cancel()
+                await asyncio.gather(listener, return_exceptions=True)
+            if not self._channel.is_closed:
+                await self._channel.close()
+
+    async def _relay_batch_retrying(self, stop: asyncio.Event) -> int:
+        def stopping(_: RetryCallState) -> bool:
+            return stop.is_set()
+
+        async def sleep(seconds: float) -> None:
+            await _first(stop.wait(), within=seconds)
+
+        retrying = AsyncRetrying(
+            stop=stopping,
+            wait=wait_exponential(multiplier=0.2, max=10.0) + wait_random(0, 0.2),
+            retry=retry_if_exception(_batch_can_retry),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+            sleep=sleep,
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self.relay_batch()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def relay_batch(self) -> int:
+        """Relay one batch in one transaction; returns how many rows it claimed."""
+        self._wake.clear()
+        async with self.engine.connect() as conn, conn.begin():
+            rows = await queries.claim_outbox(conn, self.settings.relay_batch_size)
+            if not rows:
+                return 0
+            published, failed = await self._publish(rows)
+            crash_point(RELAY_AFTER_PUBLISH)
+            await queries.delete_outbox(conn, published)
+            parked = await queries.fail_outbox(
+                conn,
+                failed,
+                max_attempts=self.settings.relay_max_attempts,
+                retry_delay=self.settings.relay_retry_delay,
+            )
+        self.stats["relay_published"] += len(published)
+        if failed:
+            self.stats["relay_failed"] += len(failed)
+            self.stats["relay_parked"] += len(parked)
+            for row_id, error in failed.items():
+                log.warning(
+                    "outbox row %d %s: %s",
+                    row_id,
+                    "parked in outbox_parked" if row_id in parked else "will be retried",
+                    error,
+                )
+        return len(rows)
+
+    async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
+        """Publish ``rows``: unordered ones concurrently, each ordering key's rows in turn.
+
+        Returns the confirmed ids and the failed ones with their errors. A key's rows after a
+        failed one are neither: they stay for a later batch, behind the failed row.
+        """
+        published: list[int] = []
+        failed: dict[int, str] = {}
+
+        async def publish_in_turn(chain: Iterable[OutboxRow]) -> None:
+            for row in chain:
+                error = await self._publish_one(row)
+                if error is not None:
+                    failed[row.id] = error
+                    return
+                published.append(row.id)
+
+        chains: dict[str, list[OutboxRow]] = defaultdict(list)
+        singles: list[list[OutboxRow]] = []
+        for row in rows:
+            if row.ordering_key is None:
+                singles.append([row])
+            else:
+                chains[row.ordering_key].append(row)
+        await _first(
+            asyncio.gather(*(publish_in_turn(c) for c in [*singles, *chains.values()])),
+            within=PUBLISH_TIMEOUT,
+            on_timeout=TimeoutError(f"no publisher confirms within {PUBLISH_TIMEOUT} s"),
+        )
+        return published, failed
+
+    async def _publish_one(self, row: OutboxRow) -> str | None:
+        """Publish one row; the reason it failed, or None once the broker confirmed it."""
+        try:
+            message = message_of(row)
+        except (TypeError, ValueError) as exc:
+            return f"unpublishable: {exc}"
+        exchange = await self._exchange(row.exchange)
+        if exchange is None:
+            return f"exchange {row.exchange!r} does not exist"
+        try:
+            await exchange.publish(message, row.routing_key, mandatory=True)
+        except aiormq.exceptions.PublishError:
+            return (
+                f"returned as unroutable: no queue is bound to exchange {row.exchange!r} "
+                f"for routing key {row.routing_key!r}"
+            )
+        except aiormq.exceptions.DeliveryError as exc:
+            return f"nacked by the broker: {exc!r}"
+        return None
+
+    async def _exchange(self, name: str) -> AbstractExchange | None:
+        """The exchange ``name``, or None if the broker does not have it.
+
+        Publishing to a missing exchange would close the publishing channel and fail the whole
+        batch, so existence is checked once per name on a throwaway channel.
+        """
+        assert self._channel is not None
+        if name == "":
+            return self._channel.default_exchange
+        if name not in self._exchanges:
+            probe = await self.connection.channel(publisher_confirms=False)
+            try:
+                await probe.get_exchange(name, ensure=True)
+            except aiormq.exceptions.ChannelNotFoundEntity:
+                return None
+            finally:
+                if not probe.is_closed:
+                    await probe.close()
+            self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
+        return self._exchanges[name]
+
+    async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
+        """Wait until woken, stopped, or ``seconds`` passed."""
+        await _first(self._wake.wait(), stop.wait(), within=seconds)
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        """LISTEN for commits that added outbox rows, reconnecting after a lost connection.
+
+        A notification only wakes the relay; polling still finds every row without one.
+        """
+        retrying = AsyncRetrying(
+            wait=wait_exponential(multiplier=0.5, max=10.0) + wait_random(0, 0.5),
+            retry=retry_if_exception(is_transient),
+            before_sleep=before_sleep_log(log, logging.WARNING),
+        )
+        async for attempt in retrying:
+            with attempt:
+                await self._listen_once(stop)
+
+    async def _listen_once(self, stop: asyncio.Event) -> None:
+        lost = asyncio.Event()
+
+        def on_notify(*_: Any) -> None:
+            self._wake.set()
+
+        async with self.engine.connect() as conn:
+            raw = (await conn.get_raw_connection()).driver_connection
+            assert raw is not None
+            raw.add_termination_listener(lambda _: lost.set())
+            await raw.add_listener(queries.OUTBOX_CHANNEL, on_notify)
+            self._wake.set()  # rows committed while nobody listened
+            try:
+                await _first(stop.wait(), lost.wait())
+            finally:
+                if not raw.is_closed():
+                    await raw.remove_listener(queries.OUTBOX_CHANNEL, on_notify)
+        if lost.is_set() and not stop.is_set():
+            raise ConnectionError("the LISTEN connection was lost")
+
+
+async def _first(
+    *awaitables: Awaitable[Any],
+    within: float | None = None,
+    on_timeout: BaseException | None = None,
+) -> None:
+    """Wait until the first of ``awaitables`` finishes (re-raising its error) or ``within`` seconds.
+
+    The others are cancelled. When time runs out, ``on_timeout`` is raised if given.
+    """
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        task.result()
+    if not done and on_timeout is not None:
+        raise on_timeout
