@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
@@ -136,7 +136,7 @@ async def amqp() -> AsyncIterator[AbstractRobustConnection]:
 
 @dataclass
 class RunningWorker:
-    task: asyncio.Task[Counter[str]]
+    task: asyncio.Future[Counter[str]]
     stop: asyncio.Event
     stats: Counter[str]
 
@@ -148,8 +148,27 @@ class RunningWorker:
 @contextlib.asynccontextmanager
 async def running_worker(settings: Settings, router: Router) -> AsyncIterator[RunningWorker]:
     """The worker's real runner, in-process, stopped (drained) on exit."""
+    async with _running(
+        lambda stop, started, stats: runner.run(settings, router, stop, started, stats)
+    ) as worker:
+        yield worker
+
+
+@contextlib.asynccontextmanager
+async def running_relay(settings: Settings) -> AsyncIterator[RunningWorker]:
+    """A relay on its own (``worker relay``), in-process, stopped on exit."""
+    async with _running(
+        lambda stop, started, stats: runner.run_relay(settings, stop, started, stats)
+    ) as relay:
+        yield relay
+
+
+@contextlib.asynccontextmanager
+async def _running(
+    serve: Callable[[asyncio.Event, asyncio.Event, Counter[str]], Awaitable[Counter[str]]],
+) -> AsyncIterator[RunningWorker]:
     stop, started, stats = asyncio.Event(), asyncio.Event(), Counter[str]()
-    task = asyncio.create_task(runner.run(settings, router, stop, started, stats))
+    task = asyncio.ensure_future(serve(stop, started, stats))
     waiter = asyncio.create_task(started.wait())
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()

@@ -25,8 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 LOCK = 424242
 
 
-def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m worker run`` with the blocking handlers; its output goes to ``log``."""
+def start_worker(
+    settings: Settings, log: Path, command: str = "run", **env_vars: str
+) -> subprocess.Popen[bytes]:
+    """``python -m worker <command>`` with the blocking handlers and the given extra environment;
+    its output goes to ``log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(
         PYTHONPATH=str(ROOT),
@@ -35,10 +38,11 @@ def start_worker(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
         WORKER_EXCHANGE=settings.exchange,
         WORKER_QUEUE=settings.queue,
         WORKER_HANDLERS="tests.blocking_handlers",
+        **env_vars,
     )
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "worker", "run"],
+            [sys.executable, "-m", "worker", command],
             cwd=ROOT,
             env=env,
             stdout=out,
