@@ -117,3 +117,30 @@ def test_a_bad_environment_value_is_a_configuration_error(
     clean_environ.setenv("WORKER_CONCURRENCY", "0")
     with pytest.raises(ConfigurationError, match="WORKER_CONCURRENCY"):
         _load_settings(build_parser().parse_args(["run"]))
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "expected"),
+    [
+        (None, [], True),
+        ("false", [], False),
+        ("off", ["--relay"], True),
+        ("yes", ["--no-relay"], False),
+    ],
+)
+def test_the_in_process_relay_is_on_unless_turned_off(
+    clean_environ: pytest.MonkeyPatch, env: str | None, flags: list[str], expected: bool
+) -> None:
+    if env is not None:
+        clean_environ.setenv("WORKER_RELAY", env)
+    assert _load_settings(build_parser().parse_args(["run", *flags])).relay is expected
+
+
+def test_the_relay_command_takes_the_relay_settings(clean_environ: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(
+        ["relay", "--relay-batch-size", "5", "--relay-retry-delay", "0.25", "--no-outbox-notify"]
+    )
+    settings = _load_settings(args)
+    assert args.command == "relay"
+    assert (settings.relay_batch_size, settings.relay_retry_delay) == (5, 0.25)
+    assert settings.outbox_notify is False

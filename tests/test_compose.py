@@ -68,7 +68,7 @@ def cli_commands() -> set[str]:
 
 
 def test_the_one_shot_and_long_running_services_are_built_from_the_project() -> None:
-    assert {"migrate", "worker", "demo"} <= set(built_services())
+    assert {"migrate", "worker", "relay", "demo"} <= set(built_services())
 
 
 def test_every_built_service_runs_a_command_the_worker_cli_accepts() -> None:
@@ -108,8 +108,11 @@ def test_the_backing_services_have_healthchecks(name: str) -> None:
     assert healthcheck.get("test"), f"{name} has an empty healthcheck"
 
 
-def test_the_worker_starts_after_the_migrations_and_a_healthy_broker() -> None:
-    depends_on = services()["worker"]["depends_on"]
+@pytest.mark.parametrize("name", ["worker", "relay"])
+def test_the_long_running_services_start_after_the_migrations_and_a_healthy_broker(
+    name: str,
+) -> None:
+    depends_on = services()[name]["depends_on"]
 
     assert depends_on["migrate"]["condition"] == "service_completed_successfully"
     assert depends_on["rabbitmq"]["condition"] == "service_healthy"

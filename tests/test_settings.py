@@ -101,3 +101,23 @@ def test_replace_changes_only_what_it_names() -> None:
     base = Settings.load({"WORKER_QUEUE": "jobs"})
     changed = base.replace(prefetch=3)
     assert (changed.queue, changed.prefetch, base.prefetch) == ("jobs", 3, Settings().prefetch)
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"), [("true", True), ("ON", True), ("1", True), ("No", False), ("0", False)]
+)
+def test_switches_read_the_usual_spellings(raw: str, expected: bool) -> None:
+    assert Settings.load({"WORKER_OUTBOX_NOTIFY": raw}).outbox_notify is expected
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("WORKER_RELAY", "maybe"),
+        ("WORKER_RELAY_RETRY_DELAY", "0"),
+        ("WORKER_RELAY_POLL_INTERVAL", "nan"),
+    ],
+)
+def test_a_bad_relay_setting_names_the_variable(name: str, raw: str) -> None:
+    with pytest.raises(ConfigurationError, match=name):
+        Settings.load({name: raw})
