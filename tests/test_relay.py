@@ -412,3 +412,33 @@ async def _is(value: Any, expected: Any) -> bool:
 
 async def _len(items: list[Any]) -> int:
     return len(items)
+
+
+async def test_a_settlement_event_published_twice_makes_one_notice(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given the payments worker, and a payment.settled event the relay published twice
+    settled = {**payment("p1", "alice", 250), "balance_cents": 250}
+    event_id = str(uuid.uuid4())
+    async with running_worker(settings.replace(relay=False), payments) as worker:
+        channel = await amqp.channel(publisher_confirms=True)
+        exchange = await channel.get_exchange(settings.exchange)
+        for _ in range(2):
+            message = Message(
+                json.dumps(settled).encode(),
+                message_id=event_id,
+                content_type="application/json",
+            )
+            await exchange.publish(message, "payment.settled")
+
+        async def both_handled() -> bool:
+            return worker.stats["processed"] + worker.stats["duplicate"] == 2
+
+        await wait_until(both_handled)
+
+    # Then one notice was recorded, under the event's id, and the repeat counted as a duplicate
+    notices = await rows(
+        engine, "SELECT payment_id, event_id, balance_cents FROM settlement_notices"
+    )
+    assert [tuple(n) for n in notices] == [("p1", event_id, 250)]
+    assert (worker.stats["processed"], worker.stats["duplicate"]) == (1, 1)
