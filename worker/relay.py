@@ -96,11 +96,17 @@ class Relay:
         """Ask for a batch now: new rows were committed."""
         self._wake.set()
 
+    async def start(self) -> None:
+        """Open the publishing channel (confirms on, returns raised); ``run`` does it if needed."""
+        if self._channel is None:
+            self._channel = await self.connection.channel(
+                publisher_confirms=True, on_return_raises=True
+            )
+
     async def run(self, stop: asyncio.Event) -> None:
         """Relay batches until ``stop`` is set; the batch under way when it is set completes."""
-        self._channel = await self.connection.channel(
-            publisher_confirms=True, on_return_raises=True
-        )
+        await self.start()
+        assert self._channel is not None
         listener = (
             asyncio.create_task(self._listen(stop), name="outbox-listener")
             if self.settings.outbox_notify

@@ -89,7 +89,9 @@ async def _open_relay(
     engine = await _open_engine(stack, settings, application_name="worker-relay", pool_size=2)
     connection = await connect_broker(settings, name="worker-relay")
     stack.push_async_callback(connection.close)
-    return Relay(settings, engine, connection, stats)
+    relay = Relay(settings, engine, connection, stats)
+    await relay.start()
+    return relay
 
 
 async def run(
