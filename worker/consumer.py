@@ -12,7 +12,6 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -31,12 +30,11 @@ from worker.errors import Rejected, is_transient
 from worker.router import Router
 from worker.settings import Settings
 from worker.topology import Topology, declare_topology
-from worker.unit_of_work import process
+from worker.unit_of_work import Outcome, process
 
 log = logging.getLogger(__name__)
 
 TRANSIENT_ATTEMPTS = 3
-T = TypeVar("T")
 
 
 def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
@@ -141,14 +139,13 @@ class Consumer:
             envelope = open_envelope(
                 delivery, self.router, max_body_bytes=self.settings.max_body_bytes
             )
-            outcome = await self._retry_transient(
-                lambda: process(
-                    self.engine,
-                    envelope,
-                    default_exchange=self.settings.exchange,
-                    notify=self.settings.outbox_notify,
-                    on_events=self.on_events,
-                )
+            outcome: Outcome = await self._transient_retry.copy()(
+                process,
+                self.engine,
+                envelope,
+                default_exchange=self.settings.exchange,
+                notify=self.settings.outbox_notify,
+                on_events=self.on_events,
             )
         except Rejected as exc:
             await self._park(message, exc, envelope)
@@ -175,12 +172,6 @@ class Consumer:
             delivery.message_id,
         )
         await self._settle(message.ack())
-
-    async def _retry_transient(self, attempt: Callable[[], Awaitable[T]]) -> T:
-        async for try_ in self._transient_retry.copy():
-            with try_:
-                return await attempt()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def _park(
         self,

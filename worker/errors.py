@@ -114,6 +114,8 @@ def is_transient(exc: BaseException) -> bool:
             return False
         if isinstance(current, Retryable | TimeoutError | ConnectionError | OSError):
             return True
+        if isinstance(current, aiormq.exceptions.ChannelInvalidStateError):
+            return True  # the channel died with its connection; a robust one is reopening it
         if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
             return True
         if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:

@@ -99,10 +99,16 @@ async def append_outbox(
     """
     if not messages:
         return
-    for key in sorted({m.ordering_key for m in messages if m.ordering_key is not None}):
-        await conn.execute(
-            select(func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(key)))
-        )
+    # One round trip for the locks and the notification; PostgreSQL evaluates a select list
+    # left to right, so the locks are taken in key order.
+    before_insert = [
+        func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(key))
+        for key in sorted({m.ordering_key for m in messages if m.ordering_key is not None})
+    ]
+    if notify:
+        before_insert.append(func.pg_notify(OUTBOX_CHANNEL, ""))
+    if before_insert:
+        await conn.execute(select(*before_insert))
     await conn.execute(
         insert(outbox),
         [
@@ -120,8 +126,6 @@ async def append_outbox(
             for m in messages
         ],
     )
-    if notify:
-        await conn.execute(select(func.pg_notify(OUTBOX_CHANNEL, "")))
 
 
 @dataclass(frozen=True)
@@ -223,13 +227,13 @@ async def fail_outbox(
         ),
         [{"row_id": i, "error": e, "retry_delay": retry_delay} for i, e in errors.items()],
     )
+    columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
     moved = (
         delete(outbox)
         .where(outbox.c.id.in_(list(errors)), outbox.c.attempts >= max_attempts)
-        .returning(*(outbox.c[c.name] for c in outbox_parked.c if c.name != "parked_at"))
+        .returning(*(outbox.c[name] for name in columns))
         .cte("moved")
     )
-    columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
     park = (
         insert(outbox_parked)
         .from_select(columns, select(*(moved.c[name] for name in columns)))

@@ -34,7 +34,7 @@ from tenacity import (
 )
 
 from worker import queries
-from worker.errors import is_transient
+from worker.errors import Retryable, is_transient
 from worker.faults import RELAY_AFTER_PUBLISH, crash_point
 from worker.queries import OutboxRow
 from worker.settings import Settings
@@ -48,13 +48,6 @@ MIN_IDLE = 0.05
 """First wait of a relay that found less than a full batch; it doubles up to the poll interval."""
 
 CAUSATION_HEADER = "causation-id"
-
-
-def _batch_can_retry(exc: BaseException) -> bool:
-    """An outage of the broker or the database: the batch rolled back and may be tried again."""
-    return is_transient(exc) or isinstance(
-        exc, aiormq.exceptions.AMQPError | aiormq.exceptions.ChannelInvalidStateError
-    )
 
 
 def message_of(row: OutboxRow) -> aio_pika.Message:
@@ -117,11 +110,12 @@ class Relay:
             self.settings.relay_batch_size,
             self.settings.relay_max_attempts,
         )
+        retrying = self._batch_retrying(stop)
         idle = MIN_IDLE
         try:
             while not stop.is_set():
                 try:
-                    claimed = await self._relay_batch_retrying(stop)
+                    claimed: int = await retrying(self.relay_batch)
                 except Exception:
                     if stop.is_set():
                         break  # an outage during shutdown: the rows stay for the next start
@@ -137,25 +131,24 @@ class Relay:
             if not self._channel.is_closed:
                 await self._channel.close()
 
-    async def _relay_batch_retrying(self, stop: asyncio.Event) -> int:
+    @staticmethod
+    def _batch_retrying(stop: asyncio.Event) -> AsyncRetrying:
+        """Retries of a batch that failed on an outage (it rolled back), until ``stop`` is set."""
+
         def stopping(_: RetryCallState) -> bool:
             return stop.is_set()
 
         async def sleep(seconds: float) -> None:
             await _first(stop.wait(), within=seconds)
 
-        retrying = AsyncRetrying(
+        return AsyncRetrying(
             stop=stopping,
             wait=wait_exponential(multiplier=0.2, max=10.0) + wait_random(0, 0.2),
-            retry=retry_if_exception(_batch_can_retry),
+            retry=retry_if_exception(is_transient),
             before_sleep=before_sleep_log(log, logging.WARNING),
             sleep=sleep,
             reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                return await self.relay_batch()
-        raise AssertionError("unreachable")  # pragma: no cover
 
     async def relay_batch(self) -> int:
         """Relay one batch in one transaction; returns how many rows it claimed."""
@@ -235,6 +228,10 @@ class Relay:
             )
         except aiormq.exceptions.DeliveryError as exc:
             return f"nacked by the broker: {exc!r}"
+        except aiormq.exceptions.ChannelClosed as exc:
+            # e.g. the exchange was deleted since it was checked: check again on the next try
+            self._exchanges.pop(row.exchange, None)
+            raise Retryable(f"the publishing channel was closed: {exc!r}") from exc
         return None
 
     async def _exchange(self, name: str) -> AbstractExchange | None:
@@ -265,16 +262,19 @@ class Relay:
     async def _listen(self, stop: asyncio.Event) -> None:
         """LISTEN for commits that added outbox rows, reconnecting after a lost connection.
 
-        A notification only wakes the relay; polling still finds every row without one.
+        A notification only wakes the relay; polling still finds every row without one, so if
+        listening fails for good the relay logs it and goes on polling.
         """
         retrying = AsyncRetrying(
             wait=wait_exponential(multiplier=0.5, max=10.0) + wait_random(0, 0.5),
             retry=retry_if_exception(is_transient),
             before_sleep=before_sleep_log(log, logging.WARNING),
+            reraise=True,
         )
-        async for attempt in retrying:
-            with attempt:
-                await self._listen_once(stop)
+        try:
+            await retrying(self._listen_once, stop)
+        except Exception:
+            log.exception("LISTEN %s failed; relying on polling", queries.OUTBOX_CHANNEL)
 
     async def _listen_once(self, stop: asyncio.Event) -> None:
         lost = asyncio.Event()

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aio_pika
@@ -50,12 +51,10 @@ def while_starting() -> AsyncRetrying:
 
 async def connect_broker(settings: Settings, *, name: str = "worker") -> AbstractRobustConnection:
     """A robust broker connection, retried with backoff while the broker starts."""
-    async for attempt in while_starting():
-        with attempt:
-            return await aio_pika.connect_robust(
-                settings.amqp_url, client_properties={"connection_name": name}
-            )
-    raise AssertionError("unreachable")  # pragma: no cover
+    connection: AbstractRobustConnection = await while_starting()(
+        aio_pika.connect_robust, settings.amqp_url, client_properties={"connection_name": name}
+    )
+    return connection
 
 
 async def report_stats(stats: Counter[str], interval: float = STATS_INTERVAL) -> None:
@@ -68,14 +67,24 @@ async def report_stats(stats: Counter[str], interval: float = STATS_INTERVAL) ->
             log.info("stats %s", " ".join(f"{k}={v}" for k, v in sorted(stats.items())))
 
 
+@contextlib.asynccontextmanager
+async def _reporting(settings: Settings, stats: Counter[str]) -> AsyncIterator[None]:
+    """Log where the process connects, its counts while it runs, and its totals at a clean stop."""
+    log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
+    reporter = asyncio.create_task(report_stats(stats), name="stats")
+    try:
+        yield
+    finally:
+        reporter.cancel()
+    log.info("stopped; %s", dict(stats))
+
+
 async def _open_engine(
     stack: contextlib.AsyncExitStack, settings: Settings, **kwargs: Any
 ) -> AsyncEngine:
     engine = create_engine(settings, **kwargs)
     stack.push_async_callback(engine.dispose)
-    async for attempt in while_starting():
-        with attempt:
-            await check_durable_commits(engine)
+    await while_starting()(check_durable_commits, engine)
     return engine
 
 
@@ -108,8 +117,7 @@ async def run(
     never runs half-alive.
     """
     stats = Counter() if stats is None else stats
-    log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
-    async with contextlib.AsyncExitStack() as stack:
+    async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         engine = await _open_engine(stack, settings)
         relay = await _open_relay(stack, settings, stats) if settings.relay else None
         connection = await connect_broker(settings)
@@ -120,7 +128,6 @@ async def run(
         await consumer.start()
         relay_stop = asyncio.Event()
         relay_task = asyncio.create_task(relay.run(relay_stop), name="relay") if relay else None
-        reporter = asyncio.create_task(report_stats(stats), name="stats")
         if started is not None:
             started.set()
         try:
@@ -131,9 +138,7 @@ async def run(
             relay_stop.set()
             if relay_task is not None:
                 await asyncio.gather(relay_task, return_exceptions=True)
-            reporter.cancel()
-        log.info("stopped; %s", dict(stats))
-        return stats
+    return stats
 
 
 async def run_relay(
@@ -144,18 +149,12 @@ async def run_relay(
 ) -> Counter[str]:
     """Relay the outbox until ``stop`` is set (the ``worker relay`` command)."""
     stats = Counter() if stats is None else stats
-    log.info("database %s, broker %s", redact(settings.database_url), redact(settings.amqp_url))
-    async with contextlib.AsyncExitStack() as stack:
+    async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         relay = await _open_relay(stack, settings, stats)
-        reporter = asyncio.create_task(report_stats(stats), name="stats")
         if started is not None:
             started.set()
-        try:
-            await relay.run(stop)
-        finally:
-            reporter.cancel()
-        log.info("stopped; %s", dict(stats))
-        return stats
+        await relay.run(stop)
+    return stats
 
 
 async def _until_stopped(stop: asyncio.Event, task: asyncio.Task[None] | None) -> None:

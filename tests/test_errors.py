@@ -1,0 +1,52 @@
+"""The one classifier of failures: what a later attempt may get past, and what it never will."""
+
+from __future__ import annotations
+
+import aiormq.exceptions
+import pytest
+
+from worker.errors import HandlerFailed, Retryable, is_transient
+
+
+class _SqlState(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def _caused_by(cause: BaseException) -> Exception:
+    try:
+        raise RuntimeError("wrapper") from cause
+    except RuntimeError as exc:
+        return exc
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        Retryable("try later"),
+        TimeoutError(),
+        ConnectionResetError(),
+        aiormq.exceptions.ChannelInvalidStateError("channel closed"),
+        _SqlState("40001"),
+        _SqlState("40P01"),
+        _SqlState("08006"),
+        _caused_by(_SqlState("57P01")),
+    ],
+)
+def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:
+    assert is_transient(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("bad amount"),
+        HandlerFailed("boom"),
+        _SqlState("23505"),  # unique violation
+        aiormq.exceptions.AuthenticationError("wrong password"),
+        _caused_by(KeyError("account")),
+    ],
+)
+def test_bugs_bad_data_and_bad_credentials_are_permanent(exc: BaseException) -> None:
+    assert not is_transient(exc)
