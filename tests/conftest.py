@@ -23,20 +23,14 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments_router
-from worker import runner, schema
+from examples.payments.tables import metadata as payments_metadata
+from worker import runner, schema, tables
 from worker.database import create_engine
 from worker.router import Router
 from worker.settings import Settings, redact
 
 BASE = Settings.load()
-TABLES = (
-    "inbox",
-    "outbox",
-    "outbox_parked",
-    "accounts",
-    "ledger_entries",
-    "settlement_notices",
-)
+TABLES = (*tables.metadata.tables, *payments_metadata.tables)
 
 
 def _with_database(url: str, database: str) -> str:

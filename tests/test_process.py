@@ -4,11 +4,13 @@ restart applies the message exactly once; SIGTERM drains and exits 0."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,36 @@ def start_worker(
             stdout=out,
             stderr=subprocess.STDOUT,
         )
+
+
+@contextlib.contextmanager
+def worker_process(
+    settings: Settings, log: Path, command: str = "run", **env_vars: str
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``start_worker``, killed on exit if it is still running."""
+    process = start_worker(settings, log, command, **env_vars)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@contextlib.asynccontextmanager
+async def worker_behind_lock(
+    settings: Settings, amqp: AbstractRobustConnection, log: Path, lock: int
+) -> AsyncIterator[tuple[asyncpg.Connection, subprocess.Popen[bytes]]]:
+    """A consuming ``worker run`` process while this test holds ``lock``, the advisory lock the
+    ``blocking.credit`` handler waits on; yields the holding connection and the process."""
+    holder = await asyncpg.connect(settings.database_url)
+    try:
+        await holder.execute("SELECT pg_advisory_lock($1)", lock)
+        with worker_process(settings, log) as worker:
+            await wait_for_consumer(amqp, settings.queue)
+            yield holder, worker
+    finally:
+        await holder.close()  # also releases the lock
 
 
 async def wait_for_consumer(amqp: AbstractRobustConnection, queue: str) -> None:
@@ -104,11 +136,7 @@ async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies
 ) -> None:
     log = tmp_path / "worker.log"
     # Given the test holds the lock the handler will wait on, inside its transaction
-    holder = await asyncpg.connect(settings.database_url)
-    await holder.execute("SELECT pg_advisory_lock($1)", LOCK)
-    worker = start_worker(settings, log)
-    try:
-        await wait_for_consumer(amqp, settings.queue)
+    async with worker_behind_lock(settings, amqp, log, LOCK) as (_, worker):
         body = {"account": "carol", "amount_cents": 42, "lock": LOCK}
         exchange = await send_blocking_credit(amqp, engine, settings, body, "crash-1")
 
@@ -122,16 +150,9 @@ async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies
 
         await wait_until(requeued)
         assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
-    finally:
-        await holder.execute("SELECT pg_advisory_unlock($1)", LOCK)
-        await holder.close()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
 
     # When a new worker starts
-    restarted = start_worker(settings, log)
-    try:
+    with worker_process(settings, log) as restarted:
 
         async def applied() -> bool:
             return bool(
@@ -155,10 +176,6 @@ async def test_sigkill_inside_the_transaction_acks_nothing_and_a_restart_applies
         output = log.read_text(errors="replace")
         assert restarted.returncode == 0, output
         assert "stopped" in output
-    finally:
-        if restarted.poll() is None:
-            restarted.kill()
-            restarted.wait()
     assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='carol'") == 42
     assert await ready_count(amqp, settings.queue) == 0
 

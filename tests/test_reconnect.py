@@ -10,13 +10,12 @@ import signal
 import subprocess
 from pathlib import Path
 
-import asyncpg
 import pytest
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import scalar, wait_until
-from tests.test_process import send_blocking_credit, start_worker, wait_for_consumer
+from tests.test_process import send_blocking_credit, worker_behind_lock
 from worker.settings import Settings
 
 LOCK = 515151
@@ -38,11 +37,7 @@ async def test_connection_closed_after_commit_before_ack_gives_one_effect(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
     log = tmp_path / "worker.log"
-    holder = await asyncpg.connect(settings.database_url)
-    await holder.execute("SELECT pg_advisory_lock($1)", LOCK)
-    worker = start_worker(settings, log)
-    try:
-        await wait_for_consumer(amqp, settings.queue)
+    async with worker_behind_lock(settings, amqp, log, LOCK) as (holder, worker):
         body = {"account": "dave", "amount_cents": 9, "lock": LOCK}
         await send_blocking_credit(amqp, engine, settings, body, "lost-ack")
 
@@ -67,10 +62,5 @@ async def test_connection_closed_after_commit_before_ack_gives_one_effect(
         assert worker.returncode == 0, output
         assert "'processed': 1" in output
         assert "'duplicate': 1" in output
-    finally:
-        await holder.close()
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
     assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='dave'") == 9
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status='completed'") == 1

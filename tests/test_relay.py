@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from examples.payments import router as payments
 from tests.conftest import running_relay, running_worker
 from tests.helpers import payment, rows, scalar, wait_until
-from tests.test_process import start_worker
+from tests.test_process import worker_process
 from worker import queries
 from worker.context import OutboxMessage
 from worker.faults import RELAY_AFTER_PUBLISH
@@ -331,7 +331,11 @@ async def test_one_notify_per_committed_transaction(
             await queries.append_outbox(conn, [event(settings, n) for n in range(3)], notify=True)
         async with engine.begin() as conn:  # no events: no notification
             await queries.append_outbox(conn, [], notify=True)
-        await wait_until(lambda: _is(_len(heard), 1))
+
+        async def heard_one() -> bool:
+            return len(heard) == 1
+
+        await wait_until(heard_one)
         await asyncio.sleep(0.2)
         assert len(heard) == 1
     finally:
@@ -385,12 +389,8 @@ async def test_a_relay_killed_after_publishing_publishes_again_with_the_same_ids
 
     # When a relay process dies right after the broker confirmed its batch, before its commit
     log = tmp_path / "relay.log"
-    process = start_worker(settings, log, "relay", WORKER_CRASH_AT=RELAY_AFTER_PUBLISH)
-    try:
+    with worker_process(settings, log, "relay", WORKER_CRASH_AT=RELAY_AFTER_PUBLISH) as process:
         code = await asyncio.to_thread(process.wait, 60)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
     assert code == -signal.SIGKILL, log.read_text()
     await capture.wait_for(len(sent))
 
@@ -408,10 +408,6 @@ def _rabbitmqctl(*args: str) -> None:
 
 async def _is(value: Any, expected: Any) -> bool:
     return bool(await value == expected)
-
-
-async def _len(items: list[Any]) -> int:
-    return len(items)
 
 
 async def test_a_settlement_event_published_twice_makes_one_notice(
