@@ -42,18 +42,17 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
-import asyncpg
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import Context, Router, queries, runner, schema
+from worker import Context, Router, queries, runner
 from worker.context import OutboxMessage
 from worker.database import create_engine
 from worker.envelope import IDEMPOTENCY_KEY_HEADER
-from worker.settings import Settings
+from worker.settings import Settings, positive_float, positive_int
+from worker.testing import scratch_database
 
 log = logging.getLogger("benchmarks.relay_latency")
 
@@ -324,34 +323,12 @@ async def delete_broker_objects(settings: Settings) -> None:
         log.warning("could not delete queues %s and exchanges %s: %r", queues, exchanges, exc)
 
 
-def with_database(url: str, database: str) -> str:
-    return urlunsplit(urlsplit(url)._replace(path="/" + database))
-
-
-async def admin(url: str, sql: str) -> None:
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
-
-async def main_async(count: int, rate: float) -> list[Result]:
+def run_in_scratch_database(count: int, rate: float) -> list[Result]:
     """A fresh database and broker names for this run, the scenarios, then the cleanup."""
-    base = Settings.load()
     run_id = uuid.uuid4().hex[:10]
-    database = f"worker_bench_{run_id}"
-    await admin(base.database_url, f'CREATE DATABASE "{database}"')
-    try:
-        settings = base.replace(
-            database_url=with_database(base.database_url, database),
-            exchange=f"bench-{run_id}-events",
-            queue=f"bench-{run_id}",
-        )
-        await asyncio.to_thread(schema.upgrade, settings)
-        return await run_scenarios(settings, count, rate)
-    finally:
-        await admin(base.database_url, f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+    base = Settings.load(exchange=f"bench-{run_id}-events", queue=f"bench-{run_id}")
+    with scratch_database(base, prefix="worker_bench") as settings:
+        return asyncio.run(run_scenarios(settings, count, rate))
 
 
 EXPECTED_STATS = frozenset({"relay_published", "processed"})
@@ -399,32 +376,18 @@ def progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def _positive_int(raw: str) -> int:
-    value = int(raw)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
-def _positive_float(raw: str) -> float:
-    value = float(raw)
-    if not 0 < value < math.inf:
-        raise argparse.ArgumentTypeError("must be a positive number")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.relay_latency",
         description="Outbox relay commit-to-publish latency under light load.",
     )
-    parser.add_argument("--count", type=_positive_int, default=200, help="rows per scenario")
-    parser.add_argument("--rate", type=_positive_float, default=20.0, help="rows per second")
+    parser.add_argument("--count", type=positive_int, default=200, help="rows per scenario")
+    parser.add_argument("--rate", type=positive_float, default=20.0, help="rows per second")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    results = asyncio.run(main_async(args.count, args.rate))
+    results = run_in_scratch_database(args.count, args.rate)
     print(report(results, args.count, args.rate, Settings.load().relay_poll_interval))
 
 

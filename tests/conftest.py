@@ -13,7 +13,6 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from urllib.parse import urlsplit, urlunsplit
 
 import aio_pika
 import asyncpg
@@ -24,26 +23,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments_router
 from examples.payments.tables import metadata as payments_metadata
-from worker import runner, schema, tables
+from worker import runner, tables
 from worker.database import create_engine
 from worker.router import Router
 from worker.settings import Settings, redact
+from worker.testing import scratch_database
 
 BASE = Settings.load()
 TABLES = (*tables.metadata.tables, *payments_metadata.tables)
-
-
-def _with_database(url: str, database: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit(parts._replace(path="/" + database))
-
-
-async def _admin(sql: str) -> None:
-    conn = await asyncpg.connect(BASE.database_url)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 def _require_services() -> None:
@@ -73,14 +60,8 @@ def _require_services() -> None:
 def database_url() -> Iterator[str]:
     """A fresh database with the worker's and the payments example's tables."""
     _require_services()
-    name = f"worker_test_{uuid.uuid4().hex[:12]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    url = _with_database(BASE.database_url, name)
-    schema.upgrade(BASE.replace(database_url=url), payments_router)
-    try:
-        yield url
-    finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with scratch_database(BASE, payments_router, prefix="worker_test") as scratch:
+        yield scratch.database_url
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,20 +15,16 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from examples.payments import router as payments
 from examples.payments.tables import metadata as payments_metadata
-from tests.conftest import BASE, _admin, _require_services, _with_database
-from worker import schema, tables
+from tests.conftest import BASE, _require_services
+from worker import schema, tables, testing
 from worker.settings import Settings
 
 
 @pytest.fixture
 def empty_database() -> Iterator[Settings]:
     _require_services()
-    name = f"worker_migrations_{uuid.uuid4().hex[:10]}"
-    asyncio.run(_admin(f'CREATE DATABASE "{name}"'))
-    try:
-        yield BASE.replace(database_url=_with_database(BASE.database_url, name))
-    finally:
-        asyncio.run(_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with testing.empty_database(BASE, prefix="worker_migrations") as empty:
+        yield empty
 
 
 def _inspect(settings: Settings, fn: Any) -> Any:

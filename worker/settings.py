@@ -18,17 +18,17 @@ from worker.errors import ConfigurationError
 ENV_PREFIX = "WORKER_"
 
 
-def _positive_int(raw: str) -> int:
+def positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
         raise ValueError("must be at least 1")
     return value
 
 
-def _positive_float(raw: str) -> float:
+def positive_float(raw: str) -> float:
     value = float(raw)
     if not value > 0 or value == float("inf"):
-        raise ValueError("must be a positive number of seconds")
+        raise ValueError("must be a positive, finite number")
     return value
 
 
@@ -70,20 +70,20 @@ FIELDS: tuple[Field, ...] = (
     Field("amqp_url", str, "RabbitMQ URL (amqp://user:pass@host:port/vhost)"),
     Field("exchange", str, "durable topic exchange the worker consumes from and publishes to"),
     Field("queue", str, "durable work queue; dead letters go to <queue>.dlq"),
-    Field("prefetch", _positive_int, "unacknowledged deliveries the broker sends ahead"),
-    Field("concurrency", _positive_int, "transactions in flight at once (= database pool size)"),
+    Field("prefetch", positive_int, "unacknowledged deliveries the broker sends ahead"),
+    Field("concurrency", positive_int, "transactions in flight at once (= database pool size)"),
     Field("handlers", _handler_list, "comma-separated handler modules to load"),
-    Field("max_body_bytes", _positive_int, "larger message bodies are dead-lettered"),
+    Field("max_body_bytes", positive_int, "larger message bodies are dead-lettered"),
     Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
     Field("relay", boolean, "run the outbox relay inside `worker run` too"),
-    Field("relay_batch_size", _positive_int, "outbox rows the relay claims per transaction"),
-    Field("relay_max_attempts", _positive_int, "failed publishes of a row before it is parked"),
+    Field("relay_batch_size", positive_int, "outbox rows the relay claims per transaction"),
+    Field("relay_max_attempts", positive_int, "failed publishes of a row before it is parked"),
     Field(
         "relay_retry_delay",
-        _positive_float,
+        positive_float,
         "seconds before a failed row's first retry; doubles per attempt, at most 5 minutes",
     ),
-    Field("relay_poll_interval", _positive_float, "longest wait, in seconds, of an idle relay"),
+    Field("relay_poll_interval", positive_float, "longest wait, in seconds, of an idle relay"),
     Field("outbox_notify", boolean, "NOTIFY relays after each commit that added outbox rows"),
 )
 
