@@ -39,7 +39,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,6 +53,7 @@ from worker.database import create_engine
 from worker.envelope import IDEMPOTENCY_KEY_HEADER
 from worker.settings import Settings, positive_float, positive_int
 from worker.testing import scratch_database
+from worker.topology import delete_topology, queue_names
 
 log = logging.getLogger("benchmarks.relay_latency")
 
@@ -306,21 +307,22 @@ async def run_scenarios(settings: Settings, count: int, rate: float) -> list[Res
             await connection.close()
 
 
-async def delete_broker_objects(settings: Settings) -> None:
-    """Delete this run's queues and exchanges on a connection of its own (the main one may be
-    broken); a failure is logged with the names left behind rather than hiding the run's error."""
-    queues = (settings.queue, settings.dead_letter_queue)
-    exchanges = (settings.exchange, settings.dead_letter_exchange)
+async def delete_broker_objects(settings: Settings, extra_queues: Sequence[str] = ()) -> None:
+    """Delete this run's queues (everything ``declare_topology`` declared, retry queues
+    included, and ``extra_queues``) and exchanges on a connection of its own (the main one may
+    be broken); a failure is logged with the names left behind rather than hiding the run's
+    error."""
     try:
         connection = await aio_pika.connect(settings.amqp_url)
         async with connection:
             channel = await connection.channel()
-            for queue in queues:
+            await delete_topology(channel, settings)
+            for queue in extra_queues:
                 await channel.queue_delete(queue)
-            for exchange in exchanges:
-                await channel.exchange_delete(exchange)
     except Exception as exc:
-        log.warning("could not delete queues %s and exchanges %s: %r", queues, exchanges, exc)
+        names = [*queue_names(settings), *extra_queues]
+        exchanges = (settings.exchange, settings.dead_letter_exchange)
+        log.warning("could not delete queues %s and exchanges %s: %r", names, exchanges, exc)
 
 
 def run_in_scratch_database(count: int, rate: float) -> list[Result]:

@@ -21,6 +21,8 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from examples.orders import router as orders_router
+from examples.orders.tables import metadata as orders_metadata
 from examples.payments import router as payments_router
 from examples.payments.tables import metadata as payments_metadata
 from worker import runner, tables
@@ -28,9 +30,17 @@ from worker.database import create_engine
 from worker.router import Router
 from worker.settings import Settings, redact
 from worker.testing import scratch_database
+from worker.topology import delete_topology
 
 BASE = Settings.load()
-TABLES = (*tables.metadata.tables, *payments_metadata.tables)
+TEST_RETRY_DELAYS = (0.1, 0.2)
+"""Tests that set other ``retry_delays`` delete their retry queues themselves."""
+TABLES = (*tables.metadata.tables, *payments_metadata.tables, *orders_metadata.tables)
+
+EXAMPLES = Router()
+"""Both example handler modules, whose tables every test database has."""
+EXAMPLES.include(payments_router)
+EXAMPLES.include(orders_router)
 
 
 def _require_services() -> None:
@@ -58,36 +68,41 @@ def _require_services() -> None:
 
 @pytest.fixture(scope="session")
 def database_url() -> Iterator[str]:
-    """A fresh database with the worker's and the payments example's tables."""
+    """A fresh database with the worker's and both examples' tables."""
     _require_services()
-    with scratch_database(BASE, payments_router, prefix="worker_test") as scratch:
+    with scratch_database(BASE, EXAMPLES, prefix="worker_test") as scratch:
         yield scratch.database_url
 
 
 @pytest.fixture
-async def settings(database_url: str) -> AsyncIterator[Settings]:
+async def settings(database_url: str, engine: AsyncEngine) -> AsyncIterator[Settings]:
     """Settings for one test: the session's database, and an exchange and queues of its own
-    (deleted afterwards)."""
+    (deleted afterwards), with delayed retries of a tenth and a fifth of a second.
+
+    (It takes ``engine`` so that the session engine exists before ``clean_tables`` runs:
+    pytest sets up session fixtures first, and ``clean_tables`` cannot start one from inside
+    the running event loop.)"""
     suffix = uuid.uuid4().hex[:10]
-    yield BASE.replace(
+    settings = BASE.replace(
         database_url=database_url,
         exchange=f"test-{suffix}-events",
         queue=f"test-{suffix}",
         prefetch=16,
         concurrency=4,
+        retry_delays=TEST_RETRY_DELAYS,
+        http_port=0,
     )
+    yield settings
     connection = await aio_pika.connect(BASE.amqp_url)
     async with connection:
-        channel = await connection.channel()
-        for queue in (f"test-{suffix}", f"test-{suffix}.dlq"):
-            await channel.queue_delete(queue)
-        for exchange in (f"test-{suffix}-events", f"test-{suffix}.dlx"):
-            await channel.exchange_delete(exchange)
+        await delete_topology(await connection.channel(), settings)
 
 
 @pytest.fixture(scope="session")
 async def engine(database_url: str) -> AsyncIterator[AsyncEngine]:
-    engine = create_engine(BASE.replace(database_url=database_url, concurrency=6))
+    engine = create_engine(
+        BASE.replace(database_url=database_url, concurrency=6), application_name="worker-tests"
+    )
     yield engine
     await engine.dispose()
 

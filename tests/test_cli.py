@@ -144,3 +144,20 @@ def test_the_relay_command_takes_the_relay_settings(clean_environ: pytest.Monkey
     assert args.command == "relay"
     assert (settings.relay_batch_size, settings.relay_retry_delay) == (5, 0.25)
     assert settings.outbox_notify is False
+
+
+def test_a_retention_shorter_than_the_retry_chain_is_refused_at_start() -> None:
+    result = run(WORKER_SCRIPT, "run", "--handlers", "examples.payments", "--inbox-retention", "1m")
+    assert result.returncode == 2
+    assert "inbox_retention (1m) must be longer than the delayed-retry chain (71s)" in (
+        result.stderr
+    )
+
+
+def test_every_command_is_listed() -> None:
+    result = run(WORKER_SCRIPT, "--help")
+    for command in ("run", "relay", "gc", "dlq", "migrate", "demo"):
+        assert command in result.stdout
+    dlq = run(WORKER_SCRIPT, "dlq", "--help")
+    assert "list" in dlq.stdout
+    assert "replay" in dlq.stdout

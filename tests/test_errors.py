@@ -32,6 +32,9 @@ def _caused_by(cause: BaseException) -> Exception:
         _SqlState("40P01"),
         _SqlState("08006"),
         _caused_by(_SqlState("57P01")),
+        # aiormq, opening a channel while a robust connection reconnects (found by the soak)
+        RuntimeError('<Connection: "amqp://guest:******@localhost:5672/" at 0x7f> closed'),
+        RuntimeError("<RobustChannel object at 0x7f> closed"),
     ],
 )
 def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:
@@ -46,6 +49,7 @@ def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:
         _SqlState("23505"),  # unique violation
         aiormq.exceptions.AuthenticationError("wrong password"),
         _caused_by(KeyError("account")),
+        RuntimeError("the ledger is closed"),
     ],
 )
 def test_bugs_bad_data_and_bad_credentials_are_permanent(exc: BaseException) -> None:

@@ -67,6 +67,7 @@ def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
         "inbox",
         "outbox",
         "outbox_parked",
+        "workflow_steps",
         "accounts",
         "ledger_entries",
         "settlement_notices",
@@ -89,5 +90,6 @@ def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
         "inbox",
         "outbox",
         "outbox_parked",
+        "workflow_steps",
         "alembic_version",
     }

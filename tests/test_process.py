@@ -20,7 +20,7 @@ from aio_pika import Message
 from aio_pika.abc import AbstractExchange, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import scalar, wait_until
+from tests.helpers import scalar, wait_until, worker_environ
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,17 +30,12 @@ LOCK = 424242
 def start_worker(
     settings: Settings, log: Path, command: str = "run", **env_vars: str
 ) -> subprocess.Popen[bytes]:
-    """``python -m worker <command>`` with the blocking handlers and the given extra environment;
-    its output goes to ``log``."""
+    """``python -m worker <command>`` with the blocking handlers (unless ``WORKER_HANDLERS`` is
+    given) and the given extra environment; its output goes to ``log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env["PYTHONPATH"] = str(ROOT)
     env.update(
-        PYTHONPATH=str(ROOT),
-        WORKER_DATABASE_URL=settings.database_url,
-        WORKER_AMQP_URL=settings.amqp_url,
-        WORKER_EXCHANGE=settings.exchange,
-        WORKER_QUEUE=settings.queue,
-        WORKER_HANDLERS="tests.blocking_handlers",
-        **env_vars,
+        worker_environ(settings, **{"WORKER_HANDLERS": "tests.blocking_handlers", **env_vars})
     )
     with log.open("ab") as out:
         return subprocess.Popen(
@@ -68,14 +63,14 @@ def worker_process(
 
 @contextlib.asynccontextmanager
 async def worker_behind_lock(
-    settings: Settings, amqp: AbstractRobustConnection, log: Path, lock: int
+    settings: Settings, amqp: AbstractRobustConnection, log: Path, lock: int, **env_vars: str
 ) -> AsyncIterator[tuple[asyncpg.Connection, subprocess.Popen[bytes]]]:
     """A consuming ``worker run`` process while this test holds ``lock``, the advisory lock the
     ``blocking.credit`` handler waits on; yields the holding connection and the process."""
     holder = await asyncpg.connect(settings.database_url)
     try:
         await holder.execute("SELECT pg_advisory_lock($1)", lock)
-        with worker_process(settings, log) as worker:
+        with worker_process(settings, log, **env_vars) as worker:
             await wait_for_consumer(amqp, settings.queue)
             yield holder, worker
     finally:
@@ -123,7 +118,10 @@ async def send_blocking_credit(
     async def handler_waits() -> bool:
         return bool(
             await scalar(
-                engine, "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                engine,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted "
+                "AND objsubid = 1 AND objid = :lock",
+                lock=body["lock"],
             )
         )
 

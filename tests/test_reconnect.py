@@ -1,6 +1,7 @@
-"""A broker connection lost between commit and ack, in the real ``worker run`` process: the ack
-on the dead channel is dropped, the broker redelivers after the reconnect, and the inbox turns
-the redelivery into a duplicate — one effect."""
+"""A broker connection lost while a unit of work is open, in the real ``worker run`` process: the
+transaction is not cancelled with the connection's tasks but commits; its ack fails on the dead
+channel, the broker redelivers after the reconnect, and the inbox turns the redelivery into a
+duplicate — one effect."""
 
 from __future__ import annotations
 
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="open (failure-semantics issue): after the cut the in-flight delivery commits and "
-    "its ack does not fail; the broker then shows the message neither ready nor unacked and no "
-    "duplicate is processed, so the old tag appears to settle on the restored channel. The "
-    "consumer must drop acks of deliveries from a dead channel.",
-)
 async def test_connection_closed_after_commit_before_ack_gives_one_effect(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
@@ -49,6 +42,11 @@ async def test_connection_closed_after_commit_before_ack_gives_one_effect(
             check=True,
             capture_output=True,
         )
+
+        async def worker_saw_the_cut() -> bool:
+            return "cut by test" in log.read_text(errors="replace")
+
+        await wait_until(worker_saw_the_cut)
         await holder.execute("SELECT pg_advisory_unlock($1)", LOCK)
 
         # Then the worker reconnects and the redelivery is recognised as a duplicate

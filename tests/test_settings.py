@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker.errors import ConfigurationError
-from worker.settings import FIELDS, Settings, redact
+from worker.settings import FIELDS, Settings, duration, format_duration, redact
 
 
 def test_an_empty_environment_gives_the_defaults() -> None:
@@ -121,3 +121,44 @@ def test_switches_read_the_usual_spellings(raw: str, expected: bool) -> None:
 def test_a_bad_relay_setting_names_the_variable(name: str, raw: str) -> None:
     with pytest.raises(ConfigurationError, match=name):
         Settings.load({name: raw})
+
+
+@pytest.mark.parametrize(
+    ("raw", "seconds"),
+    [
+        ("90", 90.0),
+        ("1.5", 1.5),
+        ("500ms", 0.5),
+        ("10s", 10.0),
+        ("5m", 300.0),
+        ("2h", 7200.0),
+        ("7d", 604800.0),
+        (" 3 M ", 180.0),
+    ],
+)
+def test_durations_take_a_unit(raw: str, seconds: float) -> None:
+    assert duration(raw) == seconds
+
+
+@pytest.mark.parametrize("raw", ["", "x", "0", "-1s", "5y", "infd"])
+def test_a_bad_duration_is_refused(raw: str) -> None:
+    with pytest.raises(ValueError, match="duration"):
+        duration(raw)
+
+
+def test_retry_delays_are_a_list_of_durations_or_none() -> None:
+    assert Settings.load({"WORKER_RETRY_DELAYS": "1s, 10s,1m"}).retry_delays == (1.0, 10.0, 60.0)
+    assert Settings.load({"WORKER_RETRY_DELAYS": "none"}).retry_delays == ()
+    assert Settings().retry_queue(60.0) == "worker.retry.1m"
+    assert Settings().retry_queue(0.25) == "worker.retry.250ms"
+
+
+@pytest.mark.parametrize(("seconds", "text"), [(604800, "7d"), (90, "90s"), (0.5, "500ms")])
+def test_format_duration_picks_the_largest_exact_unit(seconds: float, text: str) -> None:
+    assert format_duration(seconds) == text
+
+
+def test_retention_must_outlast_the_retry_chain() -> None:
+    with pytest.raises(ConfigurationError, match="inbox_retention"):
+        Settings(inbox_retention=60.0, retry_delays=(30.0, 40.0))
+    assert Settings(inbox_retention=71.0, retry_delays=(1.0, 10.0, 59.0)).inbox_retention == 71.0

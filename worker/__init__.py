@@ -2,18 +2,22 @@
 
 from worker.context import Context, OutboxMessage
 from worker.envelope import Delivery
-from worker.errors import Rejected, Retryable, WorkerError
+from worker.errors import Permanent, Rejected, Retryable, WorkerError
 from worker.router import Handler, Router
 from worker.settings import Settings
+from worker.workflows import Workflow, WorkflowBusy
 
 __all__ = [
     "Context",
     "Delivery",
     "Handler",
     "OutboxMessage",
+    "Permanent",
     "Rejected",
     "Retryable",
     "Router",
     "Settings",
     "WorkerError",
+    "Workflow",
+    "WorkflowBusy",
 ]

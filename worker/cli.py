@@ -1,4 +1,5 @@
-"""The ``worker`` command: run the consumer, run a relay, apply migrations, send demo traffic.
+"""The ``worker`` command: run the consumer or a relay, apply migrations, expire inbox keys,
+inspect and replay the dead-letter queue, send demo traffic.
 
 Every setting is a ``WORKER_*`` environment variable and a flag of the same name; a flag wins.
 """
@@ -11,13 +12,28 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from aio_pika.abc import AbstractRobustConnection
+
+if TYPE_CHECKING:
+    from worker.dead_letters import Parked
+
+from worker import logs
 from worker.errors import ConfigurationError
 from worker.plugins import ENTRY_POINT_GROUP, load_routers
-from worker.settings import FIELDS, Settings, boolean
+from worker.settings import (
+    FIELDS,
+    Settings,
+    boolean,
+    duration,
+    durations,
+    format_duration,
+    positive_int,
+)
 
 log = logging.getLogger("worker")
+_T = TypeVar("_T")
 
 
 def _settings_help() -> str:
@@ -25,7 +41,11 @@ def _settings_help() -> str:
     lines = ["settings (environment variable, flag, default):"]
     for spec in FIELDS:
         default = getattr(defaults, spec.name)
-        if isinstance(default, tuple):
+        if spec.parse is duration:
+            default = format_duration(default)
+        elif spec.parse is durations:
+            default = ",".join(map(format_duration, default)) or "none"
+        elif isinstance(default, tuple):
             default = ",".join(default) or "(none)"
         lines.append(f"  {spec.env:<28} {spec.flag:<22} {default}")
         lines.append(f"      {spec.help}")
@@ -56,6 +76,9 @@ def _settings_parser() -> argparse.ArgumentParser:
     return parser
 
 
+Action = Callable[[Settings, argparse.Namespace], int]
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = _settings_parser()
     parser = argparse.ArgumentParser(
@@ -70,48 +93,216 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = commands.add_parser(
+    def command(
+        group: Any, name: str, func: Action, summary: str, description: str
+    ) -> argparse.ArgumentParser:
+        """A subcommand that takes every setting as a flag and runs ``func``."""
+        sub: argparse.ArgumentParser = group.add_parser(
+            name,
+            parents=[common],
+            help=summary,
+            description=description,
+            epilog=_settings_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        sub.set_defaults(func=func)
+        return sub
+
+    command(
+        commands,
         "run",
-        parents=[common],
-        help="consume the work queue with the given handler modules",
-        description=(
-            "Declare the topology and consume until SIGTERM/SIGINT. Handler modules come from "
-            f"--handlers, WORKER_HANDLERS and the {ENTRY_POINT_GROUP!r} entry-point group."
-        ),
-        epilog=_settings_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _run,
+        "consume the work queue with the given handler modules",
+        "Declare the topology and consume until SIGTERM/SIGINT. Handler modules come from "
+        f"--handlers, WORKER_HANDLERS and the {ENTRY_POINT_GROUP!r} entry-point group.",
     )
-    run.set_defaults(func=_run)
-
-    relay = commands.add_parser(
+    command(
+        commands,
         "relay",
-        parents=[common],
-        help="publish committed outbox rows (a relay on its own, no consumer)",
-        description=(
-            "Publish the outbox with publisher confirms until SIGTERM/SIGINT. Any number of "
-            "relays may run at once, beside the ones inside `worker run`."
-        ),
-        epilog=_settings_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        _relay,
+        "publish committed outbox rows (a relay on its own, no consumer)",
+        "Publish the outbox with publisher confirms until SIGTERM/SIGINT. Any number of "
+        "relays may run at once, beside the ones inside `worker run`.",
     )
-    relay.set_defaults(func=_relay)
+    command(
+        commands,
+        "gc",
+        _gc,
+        "delete inbox keys older than the retention window, once",
+        "One janitor sweep: delete completed and failed inbox keys older than "
+        "--inbox-retention in batches, unless another janitor is sweeping right now.",
+    )
 
-    migrate = commands.add_parser(
+    workflows = command(
+        commands,
+        "workflows",
+        _workflows,
+        "list workflows in progress: their recovery point, owner and lease",
+        "Workflows whose key is in progress, least recently advanced first: the last committed "
+        "step, the delivery that owns it and until when (an expired lease is taken over by the "
+        "next delivery).",
+    )
+    workflows.add_argument("--limit", type=positive_int, default=100, help="default 100")
+    workflows.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    dlq = commands.add_parser(
+        "dlq",
+        help="inspect or replay the dead-letter queue",
+        description="Messages parked in <queue>.dlq, and why; replay sends them back to run.",
+    )
+    dlq_commands = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
+    dlq_list = command(
+        dlq_commands,
+        "list",
+        _dlq_list,
+        "show what is parked and why (the messages stay parked)",
+        "Show the parked messages, oldest first; the queue is left as it was.",
+    )
+    dlq_list.add_argument("--limit", type=positive_int, help="show at most this many")
+    dlq_replay = command(
+        dlq_commands,
+        "replay",
+        _dlq_replay,
+        "clear the failed state and send parked messages back to the work queue",
+        "For each parked message (oldest first; only those with --key if given): forget that "
+        "its key failed, send it back to the work queue, remove it from the DLQ. Each "
+        "replayed message runs once.",
+    )
+    dlq_replay.add_argument("--limit", type=positive_int, help="replay at most this many")
+    dlq_replay.add_argument("--key", help="replay only the messages with this idempotency key")
+
+    status = command(
+        commands,
+        "status",
+        _status,
+        "one overview: queues, outbox, inbox keys and workflows in progress",
+        "Message and consumer counts of the work queue, the DLQ and each retry queue (passive "
+        "declares: nothing is created); the outbox backlog, its oldest row's age, rows waiting "
+        "for a retry and rows parked; inbox keys by status; workflows in progress and the least "
+        "recently advanced one. Exits 1, after showing what it could read, when PostgreSQL or "
+        "RabbitMQ cannot be read.",
+    )
+    status.add_argument("--json", action="store_true", help="one JSON object")
+
+    outbox = commands.add_parser(
+        "outbox",
+        help="inspect or retry the outbox rows the relay gave up on",
+        description="Rows the relay parked in outbox_parked after its last failed attempt.",
+    )
+    outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
+    outbox_list = command(
+        outbox_commands,
+        "list",
+        _outbox_list,
+        "show the parked outbox rows (they stay parked)",
+        "Show the parked outbox rows, parked longest first, without their bodies.",
+    )
+    outbox_list.add_argument("--limit", type=positive_int, default=100, help="default 100")
+    outbox_list.add_argument("--json", action="store_true", help="one JSON object per line")
+    outbox_retry = command(
+        outbox_commands,
+        "retry",
+        _outbox_retry,
+        "move parked outbox rows back into the outbox, to be published again",
+        "In one transaction, move the parked rows (those with --id, or --all) back into the "
+        "outbox with their message_id, 0 attempts and their last error; the relay publishes "
+        "them again. Each gets a new outbox id: a row with an ordering key goes out after the "
+        "rows of its key emitted before the retry, not in its original place.",
+    )
+    which = outbox_retry.add_mutually_exclusive_group(required=True)
+    which.add_argument(
+        "--id",
+        dest="ids",
+        type=int,
+        nargs="+",
+        action="extend",
+        metavar="ID",
+        help="the parked rows' ids (as `worker outbox list` shows them)",
+    )
+    which.add_argument("--all", action="store_true", help="every parked row")
+
+    verify = command(
+        commands,
+        "verify",
+        _verify,
+        "check the guarantees held: inbox, outbox, queues, handler modules' invariants",
+        "Run it once the system is quiet (after a test, or kills and a restart). One line per\n"
+        "invariant, `PASS name: detail` or `FAIL name: detail`; exit 1 when one fails, 2 on a\n"
+        "usage error.\n\n"
+        "  no-stuck-inbox-keys    no key in progress outside a workflow\n"
+        "  no-stuck-workflows     no workflow lease expired more than --stuck-after ago\n"
+        "  outbox-drained         no outbox row older than --max-outbox-age\n"
+        "  outbox-nothing-parked  no row in outbox_parked (unless --allow-parked)\n"
+        "  work-queue-empty       with --quiet-queue: no ready message in the work or retry\n"
+        "                         queues (AMQP cannot count unacked deliveries; consumers shown)\n"
+        "  dead-letters           the DLQ by reason (a failure with --no-dead-letters)\n\n"
+        "Then the `invariants` of each handler module; examples.payments: balances-match-ledger,\n"
+        "one-notice-per-settlement, expected-balances, settled-events-delivered.",
+    )
+    verify.add_argument(
+        "--stuck-after",
+        type=duration,
+        default=300.0,
+        metavar="DURATION",
+        help="a workflow whose lease expired longer ago than this is stuck (default 5m)",
+    )
+    verify.add_argument(
+        "--max-outbox-age",
+        type=duration,
+        default=60.0,
+        metavar="DURATION",
+        help="an outbox row older than this is not drained (default 1m)",
+    )
+    verify.add_argument(
+        "--allow-parked", action="store_true", help="parked outbox rows do not fail the check"
+    )
+    verify.add_argument(
+        "--quiet-queue",
+        action="store_true",
+        help="fail when a message waits in the work queue or a retry queue",
+    )
+    verify.add_argument(
+        "--no-dead-letters", action="store_true", help="fail when the DLQ holds any message"
+    )
+    verify.add_argument(
+        "--expect-balances",
+        metavar="FILE",
+        help="JSON {account: cents}: fail unless the balances are these (examples.payments)",
+    )
+    verify.add_argument(
+        "--capture-queue",
+        metavar="QUEUE",
+        help="a queue bound to payment.settled: DRAINED (acked) to check that every settled "
+        "payment's event arrived at least once (examples.payments)",
+    )
+    verify.add_argument("--json", action="store_true", help="one JSON object")
+
+    command(
+        commands,
+        "health",
+        _health,
+        "ask the local worker's /healthz (for container health checks)",
+        "GET http://127.0.0.1:<http_port>/healthz of the worker or relay on this host; exit 0 "
+        "when it is healthy, 1 when not or unreachable.",
+    )
+
+    migrate = command(
+        commands,
         "migrate",
-        parents=[common],
-        help="apply the worker's and the handler modules' migrations",
-        description="Upgrade the worker's tables, then each handler module's, to their heads.",
+        _migrate,
+        "apply the worker's and the handler modules' migrations",
+        "Upgrade the worker's tables, then each handler module's, to their heads.",
     )
     migrate.add_argument(
         "--downgrade", action="store_true", help="undo every migration instead (drops the tables)"
     )
-    migrate.set_defaults(func=_migrate)
 
-    demo = commands.add_parser(
+    demo = command(
+        commands,
         "demo",
-        parents=[common],
-        help="publish demo payment requests for the payments example",
-        description="Publish payment.requested messages, some of them duplicates.",
+        _demo,
+        "publish demo payment requests for the payments example",
+        "Publish payment.requested messages, some of them duplicates.",
     )
     demo.add_argument("--count", type=int, default=100, help="messages to send (default 100)")
     demo.add_argument(
@@ -121,7 +312,6 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--seed", type=int, default=1, help="random seed (payment ids derive from it)"
     )
-    demo.set_defaults(func=_demo)
     return parser
 
 
@@ -159,6 +349,239 @@ async def _until_signalled(serve: Callable[[asyncio.Event], Awaitable[object]]) 
     await serve(stop)
 
 
+def _gc(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import janitor
+    from worker.database import create_engine
+
+    async def sweep() -> janitor.Sweep | None:
+        engine = create_engine(settings, application_name="worker-gc", pool_size=1)
+        try:
+            return await janitor.sweep(engine, settings)
+        finally:
+            await engine.dispose()
+
+    result = asyncio.run(sweep())
+    if result is None:
+        print("another janitor is sweeping the inbox; nothing done")
+    else:
+        print(
+            f"deleted {result.deleted} inbox keys older than "
+            f"{format_duration(settings.inbox_retention)} in {result.batches} batches"
+        )
+    return 0
+
+
+def _workflows(settings: Settings, args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from worker import queries
+    from worker.database import create_engine
+
+    async def fetch() -> list[queries.WorkflowState]:
+        engine = create_engine(settings, application_name="worker-admin", pool_size=1)
+        try:
+            async with engine.connect() as conn:
+                return await queries.in_progress_workflows(conn, args.limit)
+        finally:
+            await engine.dispose()
+
+    states = asyncio.run(fetch())
+    for state in states:
+        if args.json:
+            print(json.dumps(dataclasses.asdict(state), default=str))
+        else:
+            print(
+                f"handler={state.handler} key={state.key} "
+                f"recovery_point={state.recovery_point or '-'} owner={state.owner or '-'} "
+                f"lease_until={state.lease_until.isoformat() if state.lease_until else '-'} "
+                f"attempts={state.attempts} updated_at={state.updated_at.isoformat()}"
+            )
+    if not args.json:
+        print(f"{len(states)} workflow(s) in progress")
+    return 0
+
+
+def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import dead_letters
+
+    async def browse(connection: AbstractRobustConnection) -> list[dead_letters.Parked]:
+        return await dead_letters.list_parked(connection, settings, limit=args.limit)
+
+    parked = asyncio.run(_with_broker(settings, browse))
+    for message in parked:
+        print(_describe(message))
+    print(f"{len(parked)} parked message(s) shown from {settings.dead_letter_queue}")
+    return 0
+
+
+def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import dead_letters
+    from worker.database import create_engine
+
+    async def replay(connection: AbstractRobustConnection) -> list[dead_letters.Parked]:
+        engine = create_engine(settings, application_name="worker-dlq", pool_size=1)
+        try:
+            return await dead_letters.replay(
+                connection, engine, settings, limit=args.limit, key=args.key
+            )
+        finally:
+            await engine.dispose()
+
+    replayed = asyncio.run(_with_broker(settings, replay))
+    for message in replayed:
+        print(f"replayed {_describe(message)}")
+    print(f"{len(replayed)} message(s) sent back to {settings.queue}")
+    return 0
+
+
+async def _with_broker(
+    settings: Settings, action: Callable[[AbstractRobustConnection], Awaitable[_T]]
+) -> _T:
+    from worker.runner import connect_broker
+
+    connection = await connect_broker(settings, name="worker-dlq")
+    try:
+        return await action(connection)
+    finally:
+        await connection.close()
+
+
+def _describe(message: Parked) -> str:
+    return (
+        f"key={message.key or '-'} handler={message.handler or '-'} reason={message.reason} "
+        f"attempts={message.attempts} first_failure={message.first_failure_at or '-'} "
+        f"routing_key={message.routing_key} error={message.error!r}"
+    )
+
+
+def _status(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import admin
+
+    def lines_of(status: admin.Status) -> list[tuple[str, str]]:
+        lines: list[tuple[str, str]] = []
+        if status.queues is None:
+            lines.append(("broker", "unavailable"))
+        for queue in status.queues or ():
+            counts = f"messages={queue.messages} consumers={queue.consumers}"
+            lines.append((f"queue {queue.name}", counts if queue.exists else "missing"))
+        if status.database is None:
+            lines.append(("database", "unavailable"))
+            return lines
+        outbox, inbox = status.database.outbox, status.database.inbox
+        backlog = str(outbox.backlog)
+        if outbox.oldest_age_seconds is not None:
+            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
+        lines += [
+            ("outbox backlog", backlog),
+            ("outbox waiting for a retry", str(outbox.waiting_for_retry)),
+            ("outbox parked", str(outbox.parked)),
+        ]
+        lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
+        workflows = str(status.database.workflows.in_progress)
+        if (oldest := status.database.workflows.oldest) is not None:
+            workflows += (
+                f" (oldest: handler={oldest.handler} key={oldest.key} "
+                f"recovery_point={oldest.recovery_point or '-'} "
+                f"updated_at={oldest.updated_at.isoformat()})"
+            )
+        lines.append(("workflows in progress", workflows))
+        return lines
+
+    status = asyncio.run(admin.status(settings))
+    if args.json:
+        print(admin.to_json(status))
+    else:
+        lines = lines_of(status)
+        width = max(len(label) for label, _ in lines)
+        for label, value in lines:
+            print(f"{label:<{width}}  {value}")
+    for error in status.errors.values():
+        print(f"worker: error: {error}", file=sys.stderr)
+    return 1 if status.errors else 0
+
+
+def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import admin
+
+    rows = asyncio.run(admin.parked_outbox(settings, limit=args.limit))
+    for row in rows:
+        if args.json:
+            print(admin.to_json(row))
+        else:
+            print(
+                f"id={row.id} message_id={row.message_id} exchange={row.exchange or '(default)'} "
+                f"routing_key={row.routing_key} ordering_key={row.ordering_key or '-'} "
+                f"attempts={row.attempts} created_at={row.created_at.isoformat()} "
+                f"parked_at={row.parked_at.isoformat()} last_error={row.last_error!r}"
+            )
+    if not args.json:
+        print(f"{len(rows)} parked outbox row(s) shown; `worker outbox retry` publishes them again")
+    return 0
+
+
+def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import admin
+
+    retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
+    for row in retried.rows:
+        print(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
+    if retried.not_parked:
+        print(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
+    print(f"{len(retried.rows)} parked outbox row(s) moved back into the outbox")
+    return 0
+
+
+def _verify(settings: Settings, args: argparse.Namespace) -> int:
+    import json
+
+    from worker import verify
+
+    router = load_routers(settings.handlers)
+    invariants = verify.load_invariants(settings.handlers)
+    if (args.expect_balances or args.capture_queue) and not invariants:
+        raise ConfigurationError(
+            "--expect-balances and --capture-queue are read by handler modules' invariants, "
+            "and no handler module declares any (e.g. --handlers examples.payments)"
+        )
+    options = verify.Options(
+        stuck_after=args.stuck_after,
+        max_outbox_age=args.max_outbox_age,
+        allow_parked=args.allow_parked,
+        quiet_queue=args.quiet_queue,
+        no_dead_letters=args.no_dead_letters,
+        expected_balances=(
+            verify.read_expected_balances(args.expect_balances) if args.expect_balances else None
+        ),
+        capture_queue=args.capture_queue,
+    )
+    checks = asyncio.run(verify.check_deployment(settings, router, options, invariants))
+    if args.json:
+        print(json.dumps(verify.to_json(checks)))
+    else:
+        for check in checks:
+            print(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
+    return 0 if all(check.ok for check in checks) else 1
+
+
+def _health(settings: Settings, args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    if settings.http_port == 0:
+        raise ConfigurationError("http_port is 0: this process serves no /healthz")
+    url = f"http://127.0.0.1:{settings.http_port}/healthz"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            print(response.read().decode())
+            return 0
+    except urllib.error.HTTPError as error:
+        print(error.read().decode())
+    except OSError as exc:
+        print(f"worker: error: no answer from {url}: {exc}", file=sys.stderr)
+    return 1
+
+
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker import schema
 
@@ -192,12 +615,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = _load_settings(args)
     except ConfigurationError as exc:
         parser.error(str(exc))
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("aio_pika").setLevel(logging.WARNING)
-    logging.getLogger("aiormq").setLevel(logging.WARNING)
+    logs.configure(settings)
     try:
         result: Any = args.func(settings, args)
     except ConfigurationError as exc:

@@ -46,9 +46,15 @@ def decode_json(body: bytes, content_type: str | None = None) -> Any:
     except UnicodeDecodeError as exc:
         raise UndecodableBody(f"body is not UTF-8: {exc}") from exc
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
         raise UndecodableBody(f"body is not JSON: {exc}") from exc
+    try:
+        canonical_json(value)
+    except UnicodeEncodeError as exc:
+        # an escaped lone surrogate ("\ud800") is valid JSON syntax but not a character
+        raise UndecodableBody(f"body is not JSON text: {exc.reason} in a string") from exc
+    return value
 
 
 def to_jsonable(value: Any) -> Any:

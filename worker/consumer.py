@@ -1,9 +1,16 @@
 """The consumer: deliveries in, units of work, acks out — an ack only ever after a commit.
 
-Each delivery is checked (``open_envelope``), processed in one transaction (``unit_of_work``) and
-then acked. A ``Rejected`` delivery is parked in the dead-letter queue first and acked after the
-broker confirmed the parked copy. A transient failure is retried in-process with backoff; if it
-persists the delivery is returned to the queue unacked, never dead-lettered for an outage.
+Each delivery is checked (``open_envelope``), processed in one transaction (``unit_of_work``)
+and then acked. Every failure ends in exactly one place, and the delivery is acked only after
+the broker confirmed the copy it was turned into:
+
+- transient (``errors.is_transient``): retried in-process ``transient_attempts`` times with
+  backoff; then sent to the next delayed-retry queue with its attempt count; after the last one,
+  parked in the dead-letter queue as ``retries-exhausted``;
+- permanent (a ``Rejected`` check, a handler error): parked in the dead-letter queue; when it has
+  a key, the key is recorded as failed so a later duplicate is acked without running again;
+- PostgreSQL unreachable (whatever the error looked like): nothing is parked or retried. The
+  delivery returns to the queue and consumption pauses until the database answers again.
 """
 
 from __future__ import annotations
@@ -15,34 +22,44 @@ from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import (
-    AsyncRetrying,
-    before_sleep_log,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-    wait_random,
-)
 
-from worker import dead_letters
-from worker.envelope import Delivery, Envelope, open_envelope
-from worker.errors import Rejected, is_transient
+from worker import backoff, database, dead_letters, logs, queries, tracing, workflows
+from worker.backoff import first
+from worker.dead_letters import Failure
+from worker.envelope import ROUTING_KEY_HEADER, Delivery, Envelope, open_envelope
+from worker.errors import KeyReused, Rejected, RetriesExhausted, is_transient
+from worker.faults import (
+    CONSUMER_AFTER_COMMIT,
+    CONSUMER_BEFORE_CLAIM,
+    CONSUMER_DRAINING,
+    crash_point,
+)
+from worker.metrics import Metrics
 from worker.router import Router
 from worker.settings import Settings
 from worker.topology import Topology, declare_topology
-from worker.unit_of_work import Outcome, process
+from worker.unit_of_work import Outcome
 
 log = logging.getLogger(__name__)
 
-TRANSIENT_ATTEMPTS = 3
-
 
 def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
-    """The transport-neutral facts of an aio-pika delivery."""
+    """The transport-neutral facts of an aio-pika delivery.
+
+    A message that came through the default exchange (back from a delayed retry, or replayed
+    from the DLQ) is routed by the routing key it was first published with.
+    """
+    headers = dict(message.headers or {})
+    routing_key = message.routing_key or ""
+    original = headers.get(ROUTING_KEY_HEADER)
+    if isinstance(original, bytes):
+        original = original.decode("utf-8", "replace")
+    if not message.exchange and isinstance(original, str) and original:
+        routing_key = original
     return Delivery(
         body=message.body,
-        routing_key=message.routing_key or "",
-        headers=dict(message.headers or {}),
+        routing_key=routing_key,
+        headers=headers,
         message_id=message.message_id,
         correlation_id=message.correlation_id,
         content_type=message.content_type,
@@ -54,8 +71,9 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
 class Consumer:
     """Consumes the work queue on one channel, ``concurrency`` units of work at a time.
 
-    ``stats`` counts outcomes: ``processed``, ``duplicate``, ``dead_lettered``,
-    ``dead_lettered:<reason>`` and ``requeued``.
+    ``stats`` counts outcomes: ``processed``, ``duplicate``, ``duplicate_of_failed``,
+    ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued`` and
+    ``paused`` (times consumption paused for a database outage).
     """
 
     def __init__(
@@ -66,8 +84,10 @@ class Consumer:
         connection: AbstractRobustConnection,
         stats: Counter[str] | None = None,
         on_events: Callable[[], None] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
+        self.metrics = Metrics() if metrics is None else metrics
         self.on_events = on_events
         self.router = router
         self.engine = engine
@@ -78,13 +98,21 @@ class Consumer:
         self._channel: AbstractChannel | None = None
         self._topology: Topology | None = None
         self._consumer_tag: str | None = None
-        self._transient_retry = AsyncRetrying(
-            stop=stop_after_attempt(TRANSIENT_ATTEMPTS),
-            wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
-            retry=retry_if_exception(is_transient),
-            before_sleep=before_sleep_log(log, logging.WARNING),
-            reraise=True,
-        )
+        self._stopping = asyncio.Event()
+        self._resuming: asyncio.Task[None] | None = None
+        self._pausing = asyncio.Lock()
+        self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def consuming(self) -> bool:
+        """True while a consumer is attached to the work queue on an open channel."""
+        channel = self._channel
+        return self._consumer_tag is not None and channel is not None and not channel.is_closed
+
+    @property
+    def paused(self) -> bool:
+        """True while consumption waits for PostgreSQL to answer again."""
+        return self._resuming is not None
 
     async def start(self) -> Topology:
         """Declare the topology and start consuming."""
@@ -95,7 +123,7 @@ class Consumer:
         self._topology = await declare_topology(
             self._channel, self.settings, self.router.routing_keys()
         )
-        self._consumer_tag = await self._topology.queue.consume(self._on_message)
+        await self._consume()
         log.info(
             "consuming queue %r (routing keys: %s; prefetch %d, concurrency %d)",
             self.settings.queue,
@@ -105,65 +133,113 @@ class Consumer:
         )
         return self._topology
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None = None) -> None:
         """Stop taking deliveries, let the ones in flight commit and ack, then close the channel.
 
-        Prefetched deliveries that never started go back to the queue when the channel closes.
+        Deliveries still in flight after ``grace`` seconds are cancelled: their transactions roll
+        back and they are never acked, so the broker delivers them again. Prefetched deliveries
+        that never started go back to the queue when the channel closes.
         """
-        if self._topology is not None and self._consumer_tag is not None:
-            try:
-                await self._topology.queue.cancel(self._consumer_tag)
-            except Exception:  # a dead channel consumes nothing anyway
-                log.debug("cancelling the consumer failed", exc_info=True)
-            self._consumer_tag = None
+        self._stopping.set()
+        if self._resuming is not None:
+            await asyncio.gather(self._resuming, return_exceptions=True)
+        await self._cancel()
+        crash_point(CONSUMER_DRAINING)
         if self._in_flight:
-            await asyncio.gather(*self._in_flight, return_exceptions=True)
+            _, late = await asyncio.wait(set(self._in_flight), timeout=grace)
+            if late:
+                log.warning(
+                    "%d message(s) still in flight after the %gs grace period: rolling them back",
+                    len(late),
+                    grace,
+                )
+                for task in late:
+                    task.cancel()
+                await asyncio.gather(*late, return_exceptions=True)
         if self._channel is not None and not self._channel.is_closed:
             await self._channel.close()
 
+    async def run(self, stop: asyncio.Event) -> None:
+        """Return when ``stop`` is set; raise if consuming failed for good meanwhile (a pause
+        that could not resume), so that the process does not run half-alive."""
+        await first(stop.wait(), self._failure)
+
+    async def _consume(self) -> None:
+        assert self._topology is not None
+        self._consumer_tag = await self._topology.queue.consume(self._on_message)
+
+    async def _cancel(self) -> None:
+        if self._topology is not None and self._consumer_tag is not None:
+            tag, self._consumer_tag = self._consumer_tag, None
+            try:
+                await self._topology.queue.cancel(tag)
+            except Exception:  # a dead channel consumes nothing anyway
+                log.debug("cancelling the consumer failed", exc_info=True)
+
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+        # aiormq runs this callback in a task of the channel, and cancels that task when the
+        # channel or its connection closes. The delivery is handled in a task of the worker's
+        # own, so a lost connection never cancels an open transaction: it commits, its ack
+        # fails on the dead channel, and the broker's redelivery is recognised as a duplicate.
+        task = asyncio.create_task(self._handle_in_turn(message))
         self._in_flight.add(task)
-        try:
-            async with self._slots:
-                await self.handle(message)
-        finally:
-            self._in_flight.discard(task)
+        task.add_done_callback(self._in_flight.discard)
+        await asyncio.shield(task)
+
+    async def _handle_in_turn(self, message: AbstractIncomingMessage) -> None:
+        async with self._slots:
+            await self.handle(message)
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
-        """Process one delivery to its end: acked after commit, parked, or returned to the queue."""
+        """Process one delivery to its end: acked after commit, retried later, parked, or
+        returned to the queue while the database is unreachable."""
+        if self.paused:
+            await self._requeue(message)
+            return
         delivery = delivery_from_amqp(message)
+        with logs.message_context(delivery):
+            await self._handle(message, delivery)
+
+    async def _handle(self, message: AbstractIncomingMessage, delivery: Delivery) -> None:
         envelope: Envelope | None = None
         try:
             envelope = open_envelope(
                 delivery, self.router, max_body_bytes=self.settings.max_body_bytes
             )
-            outcome: Outcome = await self._transient_retry.copy()(
-                process,
-                self.engine,
-                envelope,
-                default_exchange=self.settings.exchange,
-                notify=self.settings.outbox_notify,
-                on_events=self.on_events,
-            )
-        except Rejected as exc:
-            await self._park(message, exc, envelope)
-            return
-        except Exception as exc:
-            if is_transient(exc):
-                log.warning(
-                    "transient failure persisted for message %s; returning it to the queue: %r",
-                    delivery.message_id,
-                    exc,
+            logs.identify(envelope)
+            crash_point(CONSUMER_BEFORE_CLAIM)
+            with (
+                tracing.span(
+                    f"{delivery.routing_key} process",
+                    {
+                        "messaging.system": "rabbitmq",
+                        "messaging.message.id": delivery.message_id,
+                        "messaging.message.conversation_id": delivery.correlation_id,
+                        "messaging.rabbitmq.destination.routing_key": delivery.routing_key,
+                        "worker.handler": envelope.handler.name,
+                        "worker.idempotency_key": envelope.key,
+                        "worker.attempt": delivery.attempt,
+                    },
+                    parent_headers=delivery.headers,
+                ) as span,
+                self.metrics.transaction(envelope.handler.name),
+            ):
+                outcome: Outcome = await backoff.in_process(self.settings.transient_attempts, log)(
+                    workflows.apply,
+                    self.engine,
+                    envelope,
+                    default_exchange=self.settings.exchange,
+                    lease=self.settings.workflow_lease,
+                    notify=self.settings.outbox_notify,
+                    on_events=self.on_events,
                 )
-                self.stats["requeued"] += 1
-                await self._settle(message.nack(requeue=True))
-                return
-            log.exception("unexpected failure for message %s", delivery.message_id)
-            await self._park(message, exc, envelope, reason="internal-error")
+                tracing.set_attribute(span, "worker.outcome", outcome.value)
+        except Exception as exc:
+            await self._failed(message, delivery, envelope, exc)
             return
+        crash_point(CONSUMER_AFTER_COMMIT)
         self.stats[outcome.value] += 1
+        self.metrics.message(envelope.handler.name, outcome.value)
         log.debug(
             "%s key=%s handler=%s message_id=%s",
             outcome.value,
@@ -173,46 +249,150 @@ class Consumer:
         )
         await self._settle(message.ack())
 
+    async def _failed(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        envelope: Envelope | None,
+        exc: Exception,
+    ) -> None:
+        """Route a failure to its one destination (see the module docstring)."""
+        handler = (
+            envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
+        )
+        failure = Failure.of(delivery, exc, handler)
+        checked_before_the_database = isinstance(exc, Rejected) and envelope is None
+        if not checked_before_the_database and not await self._database_answers():
+            await self._pause()
+            await self._requeue(message)
+            return
+        if is_transient(exc):
+            if failure.attempts <= len(self.settings.retry_delays):
+                await self._retry_later(message, failure)
+                return
+            exc = RetriesExhausted(
+                f"still failing after {failure.attempts} attempts: {failure.error}"
+            )
+        elif not isinstance(exc, Rejected):
+            log.error("unexpected failure for message %s", delivery.message_id, exc_info=exc)
+        reason = exc.reason if isinstance(exc, Rejected) else "internal-error"
+        await self._park(message, failure, reason, envelope)
+
+    async def _retry_later(self, message: AbstractIncomingMessage, failure: Failure) -> None:
+        assert self._topology is not None
+        delay = self.settings.retry_delays[failure.attempts - 1]
+        try:
+            await dead_letters.schedule_retry(
+                self._topology.default_exchange,
+                message,
+                failure,
+                retry_queue=self.settings.retry_queue(delay),
+            )
+        except Exception:
+            log.exception("could not schedule a retry of message %s", message.message_id)
+            await self._requeue(message)
+            return
+        self.stats["retry_scheduled"] += 1
+        self.metrics.message(failure.handler, "retry_scheduled")
+        log.warning(
+            "attempt %d of message %s failed transiently; retrying in %gs: %s",
+            failure.attempts,
+            message.message_id,
+            delay,
+            failure.error,
+        )
+        await self._settle(message.ack())
+
     async def _park(
         self,
         message: AbstractIncomingMessage,
-        exc: Exception,
+        failure: Failure,
+        reason: str,
         envelope: Envelope | None,
-        *,
-        reason: str | None = None,
     ) -> None:
-        reason = reason or (exc.reason if isinstance(exc, Rejected) else "internal-error")
-        handler = envelope.handler.name if envelope is not None else None
-        if handler is None:
-            found = self.router.find(message.routing_key or "")
-            handler = found.name if found is not None else None
+        """Park in the DLQ; then, for a keyed message, record its key as failed; then ack.
+
+        Parking comes first: a crash before the ack parks the message twice at worst, while a
+        recorded failure without a parked copy would leave nothing to replay.
+        """
         assert self._topology is not None
         try:
             await dead_letters.park(
-                self._topology.dead_letter_exchange,
-                message,
-                reason=reason,
-                error=str(exc),
-                exception_type=type(exc.__cause__ or exc).__name__,
-                handler=handler,
+                self._topology.dead_letter_exchange, message, failure, reason=reason
             )
+            if envelope is not None and reason != KeyReused.reason:
+                await backoff.in_process(self.settings.transient_attempts, log)(
+                    self._record_failure, envelope, failure
+                )
         except Exception:
             log.exception(
                 "could not park message %s; returning it to the queue", message.message_id
             )
-            self.stats["requeued"] += 1
-            await self._settle(message.nack(requeue=True))
+            await self._requeue(message)
             return
         self.stats["dead_lettered"] += 1
         self.stats[f"dead_lettered:{reason}"] += 1
+        self.metrics.dead_letter(failure.handler, reason)
         log.warning(
             "dead-lettered message %s (routing key %r): %s: %s",
             message.message_id,
-            message.routing_key,
+            failure.delivery.routing_key,
             reason,
-            exc,
+            failure.error,
         )
         await self._settle(message.ack())
+
+    async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
+        async with self.engine.begin() as conn:
+            await queries.record_failure(
+                conn, envelope, error=failure.error, attempts=failure.attempts
+            )
+
+    async def _database_answers(self) -> bool:
+        try:
+            await database.probe(self.engine)
+        except Exception as exc:
+            log.warning("PostgreSQL does not answer: %r", exc)
+            return False
+        return True
+
+    async def _pause(self) -> None:
+        """Stop consuming until PostgreSQL answers again; return once the broker confirmed it.
+
+        Deliveries are returned to the queue only after that, so none comes back to this
+        consumer while it is paused (aiormq silently drops a delivery for a cancelled consumer,
+        which would leave it unacknowledged until the channel closes).
+        """
+        async with self._pausing:
+            if self._resuming is not None or self._stopping.is_set():
+                return
+            await self._cancel()
+            self.stats["paused"] += 1
+            self.metrics.paused()
+            log.error("PostgreSQL is unreachable: consumption paused until it answers again")
+            self._resuming = asyncio.create_task(self._resume_when_database_answers())
+
+    async def _resume_when_database_answers(self) -> None:
+        try:
+            await backoff.until_stopped(self._stopping, initial=0.5, maximum=5.0, logger=log)(
+                database.probe, self.engine
+            )
+            if not self._stopping.is_set():
+                await backoff.until_stopped(self._stopping, logger=log)(self._consume)
+                log.info("PostgreSQL answers again: consumption resumed")
+        except Exception as exc:
+            if not self._stopping.is_set():
+                log.exception("could not resume consuming")
+                if not self._failure.done():
+                    self._failure.set_exception(exc)
+        finally:
+            self._resuming = None
+
+    async def _requeue(self, message: AbstractIncomingMessage) -> None:
+        self.stats["requeued"] += 1
+        handler = self.router.find(delivery_from_amqp(message).routing_key)
+        self.metrics.message(handler.name if handler is not None else None, "requeued")
+        await self._settle(message.nack(requeue=True))
 
     @staticmethod
     async def _settle(settlement: Awaitable[None]) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from worker import tracing
 from worker.codec import JSON_CONTENT_TYPE, encode_json
 from worker.envelope import Envelope
 
@@ -41,6 +42,7 @@ class Context:
     envelope: Envelope
     default_exchange: str
     outbox: list[OutboxMessage] = field(default_factory=list)
+    step: str | None = None
     _session: AsyncSession | None = None
 
     @property
@@ -49,9 +51,20 @@ class Context:
         return self.envelope.key
 
     @property
+    def step_key(self) -> str:
+        """``<key>:<step>`` inside a workflow step: the idempotency key to give an external
+        service, the same on every re-run of the step; the plain key outside a workflow."""
+        return self.key if self.step is None else f"{self.key}:{self.step}"
+
+    @property
     def message_id(self) -> str | None:
         """The incoming message's id (for events from the relay: the outbox row's stable id)."""
         return self.envelope.delivery.message_id
+
+    @property
+    def attempt(self) -> int:
+        """1 on a message's first try, n + 1 after n delayed retries (in-process tries aside)."""
+        return self.envelope.delivery.attempt
 
     @property
     def session(self) -> AsyncSession:
@@ -90,7 +103,7 @@ class Context:
             routing_key=routing_key,
             body=payload,
             content_type=kind,
-            headers=dict(headers or {}),
+            headers=_with_trace(headers),
             correlation_id=self.envelope.correlation_id,
             causation_id=self.envelope.key,
             ordering_key=ordering_key,
@@ -107,3 +120,10 @@ class Context:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _with_trace(headers: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The event's headers plus the current trace context, when tracing is on."""
+    combined = dict(headers or {})
+    tracing.inject(combined)
+    return combined

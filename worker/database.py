@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from worker import queries
 from worker.errors import ConfigurationError
 from worker.settings import Settings
+
+PROBE_TIMEOUT = 5.0
+"""Seconds PostgreSQL has to answer a probe before it counts as unreachable."""
 
 
 def create_engine(
@@ -30,3 +35,10 @@ async def check_durable_commits(engine: AsyncEngine) -> None:
                 "synchronous_commit is off for the worker's database role: a crash could lose "
                 "a commit whose message was already acked. Set it to 'on' (or stronger)."
             )
+
+
+async def probe(engine: AsyncEngine) -> None:
+    """``SELECT 1`` on a pooled connection within ``PROBE_TIMEOUT``; raises when PostgreSQL does
+    not answer (the one check behind the consumer's pause and ``/healthz``)."""
+    async with asyncio.timeout(PROBE_TIMEOUT), engine.connect() as conn:
+        await queries.ping(conn)

@@ -16,7 +16,15 @@ from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler
 from worker.router import Handler, Router
 
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
+CORRELATION_HEADER = "correlation-id"
 MAX_KEY_LENGTH = 512
+
+ATTEMPTS_HEADER = "x-worker-attempts"
+"""How many deliveries of this message failed before (set on delayed retries and dead letters)."""
+
+ROUTING_KEY_HEADER = "x-worker-original-routing-key"
+"""The routing key a message was first published with, kept when it travels through the
+default exchange (a delayed retry or a replay) whose routing key is the work queue's name."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +40,17 @@ class Delivery:
     exchange: str = ""
     redelivered: bool = False
 
+    @property
+    def failed_attempts(self) -> int:
+        """Deliveries of this message that failed before this one (0 on a first delivery)."""
+        value = self.headers.get(ATTEMPTS_HEADER, 0)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    @property
+    def attempt(self) -> int:
+        """Which try this delivery is: 1 for the first, n + 1 after n delayed retries."""
+        return self.failed_attempts + 1
+
 
 @dataclass(frozen=True)
 class Envelope:
@@ -45,8 +64,10 @@ class Envelope:
 
     @property
     def correlation_id(self) -> str:
-        """The incoming correlation id, or the key when the message carries none."""
-        return self.delivery.correlation_id or self.key
+        """The incoming correlation id (the property, else the ``correlation-id`` header that
+        carries one too long for the property), or the key when the message carries none."""
+        header = self.delivery.headers.get(CORRELATION_HEADER)
+        return self.delivery.correlation_id or (header if isinstance(header, str) else self.key)
 
 
 def idempotency_key(delivery: Delivery) -> str:
@@ -56,9 +77,9 @@ def idempotency_key(delivery: Delivery) -> str:
         raw = delivery.message_id
     if raw is None or raw == "":
         raise MissingKey()
-    if isinstance(raw, bytes):
+    if isinstance(raw, bytes | bytearray):  # pamqp reads an AMQP byte array as bytearray
         try:
-            raw = raw.decode("utf-8")
+            raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidKey("idempotency key is not UTF-8") from exc
     if not isinstance(raw, str):

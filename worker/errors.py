@@ -6,6 +6,8 @@ Every exception's docstring is its default message. ``Rejected`` subclasses carr
 
 from __future__ import annotations
 
+import re
+
 import aiormq.exceptions
 import asyncpg
 import sqlalchemy.exc
@@ -80,6 +82,20 @@ class HandlerFailed(Rejected):
     reason = "handler-error"
 
 
+class RetriesExhausted(Rejected):
+    """The message still failed transiently after its last delayed retry."""
+
+    reason = "retries-exhausted"
+
+
+class Permanent(WorkerError):
+    """A failure no retry can fix: the message is dead-lettered at once.
+
+    Handlers raise it (or a subclass) to say so even when the cause looks transient, such as a
+    remote service answering "no such account" over a connection that could have timed out.
+    """
+
+
 class Retryable(WorkerError):
     """A transient failure: the unit of work may succeed if tried again.
 
@@ -100,22 +116,29 @@ _TRANSIENT_SQLSTATES = frozenset(
 )
 
 
+_CLOSED_BY_AIO_PIKA = re.compile(r"<(Connection|Channel|RobustChannel)\b.*> closed", re.DOTALL)
+"""How aiormq and aio-pika word the RuntimeError for using a connection or channel that closed."""
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or what it wraps) is a failure that a later attempt may not meet.
 
-    Connection loss, timeouts, serialization failures and deadlocks are transient; everything
-    else (a bug in a handler, a constraint violation, bad input) is permanent.
+    Connection loss, timeouts, serialization failures, deadlocks and ``Retryable`` are transient;
+    everything else (a bug in a handler, a constraint violation, bad input, ``Permanent``
+    anywhere in the chain before a transient cause) is permanent.
     """
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, aiormq.exceptions.AuthenticationError):
+        if isinstance(current, Permanent | aiormq.exceptions.AuthenticationError):
             return False
         if isinstance(current, Retryable | TimeoutError | ConnectionError | OSError):
             return True
         if isinstance(current, aiormq.exceptions.ChannelInvalidStateError):
             return True  # the channel died with its connection; a robust one is reopening it
+        if isinstance(current, RuntimeError) and _CLOSED_BY_AIO_PIKA.fullmatch(str(current)):
+            return True  # aiormq / aio-pika: "<Connection …> closed" while it reconnects
         if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
             return True
         if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:

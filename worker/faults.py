@@ -1,7 +1,8 @@
 """Named crash points for crash-consistency tests; inert unless ``WORKER_CRASH_AT`` names one.
 
-A test starts a worker process with ``WORKER_CRASH_AT=<point>``; when the process reaches that
-point it kills itself with SIGKILL, as a power cut would, with no cleanup of any kind.
+A test starts a worker process with ``WORKER_CRASH_AT=<point>`` (or ``<point>@<n>``: the n-th
+time the point is reached); when the process gets there it kills itself with SIGKILL, as a power
+cut would, with no cleanup of any kind. Unset, a crash point costs one comparison.
 """
 
 from __future__ import annotations
@@ -14,14 +15,53 @@ log = logging.getLogger(__name__)
 
 CRASH_ENV = "WORKER_CRASH_AT"
 
+CONSUMER_BEFORE_CLAIM = "consumer.before_claim"
+"""A delivery passed its checks; its transaction has not begun."""
+
+UNIT_OF_WORK_BEFORE_COMMIT = "unit_of_work.before_commit"
+"""The handler ran and the outbox rows and completion are written; the commit has not happened."""
+
+CONSUMER_AFTER_COMMIT = "consumer.after_commit"
+"""The unit of work committed; the delivery has not been acked."""
+
+RELAY_MID_BATCH = "relay.mid_batch"
+"""A row of the relay's batch was confirmed by the broker; others may not be, none is deleted."""
+
 RELAY_AFTER_PUBLISH = "relay.after_publish"
 """After the relay's batch was confirmed by the broker, before its rows are deleted."""
 
-_ARMED = os.environ.get(CRASH_ENV) or None
+CONSUMER_DRAINING = "consumer.draining"
+"""Shutting down: consuming was cancelled, units of work in flight are still running."""
+
+POINTS = (
+    CONSUMER_BEFORE_CLAIM,
+    UNIT_OF_WORK_BEFORE_COMMIT,
+    CONSUMER_AFTER_COMMIT,
+    RELAY_MID_BATCH,
+    RELAY_AFTER_PUBLISH,
+    CONSUMER_DRAINING,
+)
+"""Every fixed crash point; workflows add ``workflow.after_step:<step>`` and
+``workflow.before_commit:<step>``."""
+
+
+def _armed(raw: str | None) -> tuple[str | None, int]:
+    if not raw:
+        return None, 0
+    name, _, count = raw.partition("@")
+    return name, int(count) if count else 1
+
+
+_ARMED, _AT = _armed(os.environ.get(CRASH_ENV))
+_hits = 0
 
 
 def crash_point(name: str) -> None:
-    """Die at once with SIGKILL if this process was started to crash at ``name``."""
-    if name == _ARMED:
-        log.critical("crash point %s reached: killing the process", name)
+    """Die at once with SIGKILL if this process was started to crash at ``name`` (this time)."""
+    global _hits
+    if name != _ARMED:
+        return
+    _hits += 1
+    if _hits >= _AT:
+        log.critical("crash point %s reached (time %d): killing the process", name, _hits)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, delete, func, select, text, update
+from sqlalchemy import Float, bindparam, delete, func, or_, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.codec import to_jsonable
 from worker.context import OutboxMessage
 from worker.envelope import Envelope
-from worker.tables import inbox, outbox, outbox_parked
+from worker.tables import inbox, outbox, outbox_parked, workflow_steps
 
 
 @dataclass(frozen=True)
@@ -32,11 +32,18 @@ class InboxEntry:
     error: str | None
 
 
-async def claim_key(conn: AsyncConnection, envelope: Envelope) -> bool:
+async def claim_key(
+    conn: AsyncConnection,
+    envelope: Envelope,
+    *,
+    owner: str | None = None,
+    lease: float | None = None,
+) -> bool:
     """Insert the envelope's inbox row; False when the key is already taken.
 
     A concurrent claim of the same key waits here until the other transaction ends: it then sees
-    the committed row (False) or, if the other rolled back, takes the key itself (True).
+    the committed row (False) or, if the other rolled back, takes the key itself (True). A
+    workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
     """
     stmt = (
         insert(inbox)
@@ -47,11 +54,18 @@ async def claim_key(conn: AsyncConnection, envelope: Envelope) -> bool:
             status="in_progress",
             message_id=envelope.delivery.message_id,
             routing_key=envelope.delivery.routing_key,
+            owner=owner,
+            lease_until=None if lease is None else func.now() + _seconds(lease),
         )
         .on_conflict_do_nothing(index_elements=[inbox.c.handler, inbox.c.key])
         .returning(inbox.c.handler)
     )
     return (await conn.execute(stmt)).first() is not None
+
+
+def _seconds(value: float) -> Any:
+    """An SQL interval of ``value`` seconds."""
+    return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(None, value, type_=Float))
 
 
 async def fetch_key(conn: AsyncConnection, handler: str, key: str) -> InboxEntry | None:
@@ -72,9 +86,201 @@ async def complete_key(conn: AsyncConnection, handler: str, key: str, result: An
     stmt = (
         update(inbox)
         .where(inbox.c.handler == handler, inbox.c.key == key)
-        .values(status="completed", result=to_jsonable(result), updated_at=func.now())
+        .values(
+            status="completed",
+            result=to_jsonable(result),
+            owner=None,
+            lease_until=None,
+            updated_at=func.now(),
+        )
     )
     await conn.execute(stmt)
+
+
+async def record_failure(
+    conn: AsyncConnection, envelope: Envelope, *, error: str, attempts: int
+) -> None:
+    """Mark (handler, key) failed with ``error`` unless its effect has committed meanwhile.
+
+    A later delivery of the key is then acknowledged without running the handler, until
+    ``clear_failure`` (a DLQ replay) lets it run again.
+    """
+    stmt = insert(inbox).values(
+        handler=envelope.handler.name,
+        key=envelope.key,
+        fingerprint=envelope.fingerprint,
+        status="failed",
+        error=error,
+        attempts=attempts,
+        message_id=envelope.delivery.message_id,
+        routing_key=envelope.delivery.routing_key,
+    )
+    await conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=[inbox.c.handler, inbox.c.key],
+            set_={
+                "status": "failed",
+                "error": stmt.excluded.error,
+                "attempts": inbox.c.attempts + stmt.excluded.attempts,
+                "owner": None,
+                "lease_until": None,
+                "updated_at": func.now(),
+            },
+            where=inbox.c.status != "completed",
+        )
+    )
+
+
+async def clear_failure(conn: AsyncConnection, handler: str, key: str) -> bool:
+    """Forget that (handler, key) failed, so its next delivery runs; False if it had not.
+
+    A workflow that had committed steps goes back to in progress with its lease expired, so the
+    next delivery takes it over and resumes after its last committed step.
+    """
+    failed = (inbox.c.handler == handler, inbox.c.key == key, inbox.c.status == "failed")
+    resumed = await conn.execute(
+        update(inbox)
+        .where(*failed, inbox.c.recovery_point.is_not(None))
+        .values(status="in_progress", error=None, owner=None, lease_until=func.now())
+        .returning(inbox.c.key)
+    )
+    if resumed.first() is not None:
+        return True
+    deleted = await conn.execute(delete(inbox).where(*failed).returning(inbox.c.key))
+    return deleted.first() is not None
+
+
+async def ping(conn: AsyncConnection) -> None:
+    """One round trip to the server: raises when PostgreSQL does not answer."""
+    await conn.execute(select(1))
+
+
+async def take_over_workflow(
+    conn: AsyncConnection, handler: str, key: str, *, owner: str, lease: float
+) -> bool:
+    """Make ``owner`` the owner of an in-progress workflow whose lease expired or was released.
+
+    Compare-and-set: a workflow with a live lease, or one whose step transaction holds its row
+    right now (``SKIP LOCKED``), is left alone and False is returned.
+    """
+    free = (
+        select(inbox.c.handler, inbox.c.key)
+        .where(
+            inbox.c.handler == handler,
+            inbox.c.key == key,
+            inbox.c.status == "in_progress",
+            or_(inbox.c.owner.is_(None), inbox.c.lease_until <= func.now()),
+        )
+        .with_for_update(skip_locked=True)
+        .cte("free")
+    )
+    taken = await conn.execute(
+        update(inbox)
+        .where(inbox.c.handler == free.c.handler, inbox.c.key == free.c.key)
+        .values(
+            owner=owner,
+            lease_until=func.now() + _seconds(lease),
+            attempts=inbox.c.attempts + 1,
+            updated_at=func.now(),
+        )
+        .returning(inbox.c.key)
+    )
+    return taken.first() is not None
+
+
+async def hold_workflow(conn: AsyncConnection, handler: str, key: str, owner: str) -> bool:
+    """Lock the workflow's inbox row until commit if ``owner`` still owns it; False if not.
+
+    While a step's transaction holds the row, no other delivery can take the workflow over.
+    """
+    stmt = (
+        select(inbox.c.key)
+        .where(
+            inbox.c.handler == handler,
+            inbox.c.key == key,
+            inbox.c.owner == owner,
+            inbox.c.status == "in_progress",
+        )
+        .with_for_update()
+    )
+    return (await conn.execute(stmt)).first() is not None
+
+
+async def workflow_outputs(conn: AsyncConnection, handler: str, key: str) -> dict[str, Any]:
+    """The outputs of the workflow's committed steps, by step name, in the order they ran."""
+    stmt = (
+        select(workflow_steps.c.step, workflow_steps.c.output)
+        .where(workflow_steps.c.handler == handler, workflow_steps.c.key == key)
+        .order_by(workflow_steps.c.position)
+    )
+    return {step: output for step, output in await conn.execute(stmt)}
+
+
+async def record_step(
+    conn: AsyncConnection,
+    handler: str,
+    key: str,
+    *,
+    step: str,
+    position: int,
+    output: Any,
+    lease: float,
+) -> None:
+    """Store a step's output, make it the recovery point and renew the owner's lease."""
+    await conn.execute(
+        insert(workflow_steps).values(
+            handler=handler, key=key, step=step, position=position, output=to_jsonable(output)
+        )
+    )
+    await conn.execute(
+        update(inbox)
+        .where(inbox.c.handler == handler, inbox.c.key == key)
+        .values(
+            recovery_point=step,
+            lease_until=func.now() + _seconds(lease),
+            updated_at=func.now(),
+        )
+    )
+
+
+async def release_workflow(conn: AsyncConnection, handler: str, key: str, owner: str) -> None:
+    """Give up ownership at once (after a failed try) so the next delivery need not wait."""
+    await conn.execute(
+        update(inbox)
+        .where(
+            inbox.c.handler == handler,
+            inbox.c.key == key,
+            inbox.c.owner == owner,
+            inbox.c.status == "in_progress",
+        )
+        .values(owner=None, lease_until=func.now())
+    )
+
+
+@dataclass(frozen=True)
+class WorkflowState:
+    """An in-progress workflow, as ``worker workflows`` shows it."""
+
+    handler: str
+    key: str
+    recovery_point: str | None
+    owner: str | None
+    lease_until: datetime | None
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+
+
+async def in_progress_workflows(conn: AsyncConnection, limit: int) -> list[WorkflowState]:
+    """Workflows under way or waiting to be resumed, least recently advanced first."""
+    columns = [inbox.c[name] for name in WorkflowState.__dataclass_fields__]
+    stmt = (
+        select(*columns)
+        .where(inbox.c.status == "in_progress")
+        .order_by(inbox.c.updated_at)
+        .limit(limit)
+    )
+    return [WorkflowState(**row._asdict()) for row in await conn.execute(stmt)]
 
 
 OUTBOX_CHANNEL = "worker_outbox"
@@ -242,11 +448,299 @@ async def fail_outbox(
     return [row_id for (row_id,) in await conn.execute(park)]
 
 
-async def outbox_backlog(conn: AsyncConnection) -> int:
-    """Rows waiting to be published."""
-    return int((await conn.execute(select(func.count()).select_from(outbox))).scalar_one())
-
-
 async def synchronous_commit(conn: AsyncConnection) -> str:
     """The server's ``synchronous_commit`` for this connection ('off' breaks ack-after-commit)."""
     return str((await conn.execute(text("SHOW synchronous_commit"))).scalar_one())
+
+
+# Retention
+
+JANITOR_LOCK_CLASS = 7_262_002
+"""First key of the session-level advisory lock (second key 0) held by the one sweeping janitor."""
+
+
+async def try_lock_janitor(conn: AsyncConnection) -> bool:
+    """Take the janitor lock for this session unless another session holds it; never waits."""
+    stmt = select(func.pg_try_advisory_lock(JANITOR_LOCK_CLASS, 0))
+    return bool((await conn.execute(stmt)).scalar_one())
+
+
+async def unlock_janitor(conn: AsyncConnection) -> None:
+    """Release the janitor lock this session holds."""
+    await conn.execute(select(func.pg_advisory_unlock(JANITOR_LOCK_CLASS, 0)))
+
+
+async def delete_expired_keys(conn: AsyncConnection, *, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` completed or failed keys untouched for ``retention`` seconds, oldest
+    first; returns how many. Rows another transaction holds are skipped, never waited on, and
+    ``in_progress`` keys are left alone whatever their age.
+    """
+    expired = (
+        select(inbox.c.handler, inbox.c.key)
+        .where(
+            inbox.c.status.in_(("completed", "failed")),
+            inbox.c.updated_at
+            < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("retention", retention)),
+        )
+        .order_by(inbox.c.updated_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .cte("expired")
+    )
+    stmt = delete(inbox).where(inbox.c.handler == expired.c.handler, inbox.c.key == expired.c.key)
+    return (await conn.execute(stmt)).rowcount
+
+
+# Metrics
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """The outbox at a glance: rows waiting, how long the oldest has waited, rows backing off
+    after a failed publish, rows parked."""
+
+    backlog: int
+    oldest_age_seconds: float
+    waiting_for_retry: int
+    parked: int
+
+
+async def outbox_stats(conn: AsyncConnection) -> OutboxStats:
+    """Rows waiting to be published (due or backing off), the age in seconds of the oldest (0 when
+    there is none), those backing off (``available_at`` still ahead) and the rows in
+    ``outbox_parked``, in one statement.
+
+    One pass over each table: cheap while the relay keeps up (both hold few rows), a scan of the
+    backlog when it does not.
+    """
+    waiting = (
+        select(
+            func.count().label("rows"),
+            func.min(outbox.c.created_at).label("oldest"),
+            func.count().filter(outbox.c.available_at > func.now()).label("backing_off"),
+        )
+        .select_from(outbox)
+        .subquery()
+    )
+    age = func.greatest(func.extract("epoch", func.now() - waiting.c.oldest), 0)
+    parked = select(func.count()).select_from(outbox_parked).scalar_subquery()
+    row = (
+        await conn.execute(
+            select(waiting.c.rows, func.coalesce(age, 0), waiting.c.backing_off, parked)
+        )
+    ).one()
+    return OutboxStats(
+        backlog=int(row[0]),
+        oldest_age_seconds=float(row[1]),
+        waiting_for_retry=int(row[2]),
+        parked=int(row[3]),
+    )
+
+
+async def inbox_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Inbox keys by status, exactly; a status without keys is absent.
+
+    ``GROUP BY status`` reads the whole inbox (no index covers ``status``): on an inbox of
+    millions of keys it takes seconds and much I/O, so call it rarely. ``pg_class.reltuples``
+    would be free but only estimates the total, and not per status, until the next ANALYZE.
+    """
+    stmt = select(inbox.c.status, func.count()).group_by(inbox.c.status)
+    return {status: int(count) for status, count in await conn.execute(stmt)}
+
+
+# Admin
+
+
+@dataclass(frozen=True)
+class ParkedOutboxRow:
+    """A row the relay gave up on, as ``worker outbox list`` shows it (without its body)."""
+
+    id: int
+    message_id: uuid.UUID
+    exchange: str
+    routing_key: str
+    attempts: int
+    last_error: str | None
+    created_at: datetime
+    parked_at: datetime
+    ordering_key: str | None
+
+
+async def parked_outbox(conn: AsyncConnection, limit: int) -> list[ParkedOutboxRow]:
+    """Up to ``limit`` rows of ``outbox_parked``, parked longest first."""
+    columns = [outbox_parked.c[name] for name in ParkedOutboxRow.__dataclass_fields__]
+    stmt = select(*columns).order_by(outbox_parked.c.parked_at, outbox_parked.c.id).limit(limit)
+    return [ParkedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class RetriedOutboxRow:
+    """A parked row moved back into the outbox: its parked (old) id and its new outbox id."""
+
+    parked_id: int
+    id: int
+    message_id: uuid.UUID
+
+
+async def retry_parked_outbox(
+    conn: AsyncConnection, ids: Sequence[int] | None, *, notify: bool = False
+) -> list[RetriedOutboxRow]:
+    """Move parked rows (those in ``ids``, or all when None) back into ``outbox`` in one
+    statement: ``DELETE ... RETURNING`` feeding an ``INSERT``, the reverse of ``fail_outbox``.
+
+    A moved row keeps its ``message_id`` (consumers deduplicate a copy they already got), body,
+    headers, ``created_at`` and ``last_error`` (why it was parked, until a new failure replaces
+    it); ``attempts`` restarts at 0 and ``available_at`` is now, so the relay gives it a full
+    ``relay_max_attempts`` again, at once. ``outbox.id`` is an identity column: the row gets a new
+    id, after every row already in the outbox. Rows moved together keep their relative order.
+
+    The ordering keys' advisory locks are taken first (sorted, as ``append_outbox`` does), so a
+    moved row is placed among its key's rows as if it were emitted at this commit: its original
+    place, before the key's newer rows, is not restored. With ``notify``, relays are woken at
+    commit.
+    """
+    if ids is not None and not ids:
+        return []
+    which = [] if ids is None else [outbox_parked.c.id.in_(list(ids))]
+    keys = (
+        select(outbox_parked.c.ordering_key)
+        .distinct()
+        .where(*which, outbox_parked.c.ordering_key.is_not(None))
+    )
+    before_insert = [
+        func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(key))
+        for key in sorted(key for (key,) in await conn.execute(keys))
+    ]
+    if notify:
+        before_insert.append(func.pg_notify(OUTBOX_CHANNEL, ""))
+    if before_insert:
+        await conn.execute(select(*before_insert))
+    # A row parked by a relay after the keys were read is moved too, its key perhaps unlocked:
+    # it then lands among its key's rows near, not exactly at, this commit.
+    columns = [c.name for c in outbox_parked.c if c.name not in {"id", "attempts", "parked_at"}]
+    moved = (
+        delete(outbox_parked)
+        .where(*which)
+        .returning(outbox_parked.c.id, *(outbox_parked.c[name] for name in columns))
+        .cte("moved")
+    )
+    inserted = (
+        insert(outbox)
+        .from_select(columns, select(*(moved.c[name] for name in columns)).order_by(moved.c.id))
+        .returning(outbox.c.id, outbox.c.message_id)
+        .cte("inserted")
+    )
+    stmt = (
+        select(moved.c.id.label("parked_id"), inserted.c.id, inserted.c.message_id)
+        .join_from(moved, inserted, moved.c.message_id == inserted.c.message_id)
+        .order_by(inserted.c.id)
+    )
+    return [RetriedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+
+
+# Verify
+
+
+@dataclass(frozen=True)
+class InProgressKey:
+    """An in-progress inbox key that ``worker verify`` names as stuck."""
+
+    handler: str
+    key: str
+    recovery_point: str | None
+    lease_until: datetime | None
+    updated_at: datetime
+
+
+_IN_PROGRESS_KEY_COLUMNS = [inbox.c[name] for name in InProgressKey.__dataclass_fields__]
+
+
+async def _in_progress_keys(
+    conn: AsyncConnection, limit: int, *conditions: Any
+) -> tuple[int, list[InProgressKey]]:
+    """How many in-progress keys match ``conditions``, and the ``limit`` least recently updated."""
+    stmt = (
+        select(*_IN_PROGRESS_KEY_COLUMNS, func.count().over().label("total"))
+        .where(inbox.c.status == "in_progress", *conditions)
+        .order_by(inbox.c.updated_at, inbox.c.handler, inbox.c.key)
+        .limit(limit)
+    )
+    rows = (await conn.execute(stmt)).all()
+    keys = [InProgressKey(*row[: len(_IN_PROGRESS_KEY_COLUMNS)]) for row in rows]
+    return (int(rows[0].total) if rows else 0), keys
+
+
+async def stuck_unit_of_work_keys(
+    conn: AsyncConnection, handlers: Sequence[str], limit: int
+) -> tuple[int, list[InProgressKey]]:
+    """In-progress keys no workflow holds: those of the (non-workflow) ``handlers``, and any
+    without a lease (only a workflow's claim sets one). A unit of work never commits its key in
+    progress, so each of these is stuck. Returns the count and the ``limit`` oldest."""
+    condition = or_(inbox.c.lease_until.is_(None), inbox.c.handler.in_(list(handlers)))
+    return await _in_progress_keys(conn, limit, condition)
+
+
+async def expired_workflows(
+    conn: AsyncConnection, handlers: Sequence[str], *, expired_for: float, limit: int
+) -> tuple[int, list[InProgressKey]]:
+    """In-progress workflows (keys with a lease, not of the non-workflow ``handlers``) whose lease
+    expired more than ``expired_for`` seconds ago: nobody has resumed them since. Returns the
+    count and the ``limit`` oldest."""
+    return await _in_progress_keys(
+        conn,
+        limit,
+        inbox.c.lease_until.is_not(None),
+        inbox.c.handler.not_in(list(handlers)),
+        inbox.c.lease_until < func.now() - _seconds(expired_for),
+    )
+
+
+async def in_progress_count(conn: AsyncConnection) -> int:
+    """Inbox keys in progress (read from the partial index of in-progress keys)."""
+    stmt = select(func.count()).select_from(inbox).where(inbox.c.status == "in_progress")
+    return int((await conn.execute(stmt)).scalar_one())
+
+
+@dataclass(frozen=True)
+class LateOutboxRow:
+    """An outbox row still unpublished after the age ``worker verify`` allows."""
+
+    id: int
+    message_id: uuid.UUID
+    routing_key: str
+    attempts: int
+    last_error: str | None
+    age_seconds: float
+
+
+async def outbox_older_than(
+    conn: AsyncConnection, age: float, limit: int
+) -> tuple[int, list[LateOutboxRow]]:
+    """Outbox rows created more than ``age`` seconds ago: how many, and the ``limit`` oldest."""
+    stmt = (
+        select(
+            outbox.c.id,
+            outbox.c.message_id,
+            outbox.c.routing_key,
+            outbox.c.attempts,
+            outbox.c.last_error,
+            func.extract("epoch", func.now() - outbox.c.created_at).label("age_seconds"),
+            func.count().over().label("total"),
+        )
+        .where(outbox.c.created_at < func.now() - _seconds(age))
+        .order_by(outbox.c.created_at, outbox.c.id)
+        .limit(limit)
+    )
+    rows = (await conn.execute(stmt)).all()
+    late = [
+        LateOutboxRow(
+            row.id,
+            row.message_id,
+            row.routing_key,
+            row.attempts,
+            row.last_error,
+            float(row.age_seconds),
+        )
+        for row in rows
+    ]
+    return (int(rows[0].total) if rows else 0), late

@@ -17,25 +17,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Awaitable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    before_sleep_log,
-    retry_if_exception,
-    wait_exponential,
-    wait_random,
-)
 
-from worker import queries
-from worker.errors import Retryable, is_transient
-from worker.faults import RELAY_AFTER_PUBLISH, crash_point
+from worker import queries, tracing
+from worker.backoff import first, until_stopped
+from worker.envelope import CORRELATION_HEADER
+from worker.errors import Retryable
+from worker.faults import RELAY_AFTER_PUBLISH, RELAY_MID_BATCH, crash_point
+from worker.metrics import Metrics
 from worker.queries import OutboxRow
 from worker.settings import Settings
 
@@ -50,15 +45,29 @@ MIN_IDLE = 0.05
 CAUSATION_HEADER = "causation-id"
 
 
+MAX_SHORT_STRING = 255
+"""Bytes an AMQP short string (such as the correlation_id property) may hold."""
+
+
 def message_of(row: OutboxRow) -> aio_pika.Message:
-    """The AMQP message for an outbox row: persistent, identified by the row's message id."""
+    """The AMQP message for an outbox row: persistent, identified by the row's message id.
+
+    The correlation id travels in the ``correlation-id`` header too, and only there when it is
+    longer than an AMQP property can hold (a key may have 512 characters).
+    """
+    correlation_id = row.correlation_id
+    headers = {**row.headers, CAUSATION_HEADER: row.causation_id}
+    if correlation_id is not None:
+        headers[CORRELATION_HEADER] = correlation_id
+        if len(correlation_id.encode("utf-8")) > MAX_SHORT_STRING:
+            correlation_id = None
     return aio_pika.Message(
         row.body,
-        headers={**row.headers, CAUSATION_HEADER: row.causation_id},
+        headers=headers,
         content_type=row.content_type,
         delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         message_id=str(row.message_id),
-        correlation_id=row.correlation_id,
+        correlation_id=correlation_id,
         timestamp=row.created_at,
     )
 
@@ -76,11 +85,13 @@ class Relay:
         engine: AsyncEngine,
         connection: AbstractRobustConnection,
         stats: Counter[str] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.connection = connection
         self.stats: Counter[str] = Counter() if stats is None else stats
+        self.metrics = Metrics() if metrics is None else metrics
         self._wake = asyncio.Event()
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
@@ -110,7 +121,7 @@ class Relay:
             self.settings.relay_batch_size,
             self.settings.relay_max_attempts,
         )
-        retrying = self._batch_retrying(stop)
+        retrying = until_stopped(stop, logger=log)
         idle = MIN_IDLE
         try:
             while not stop.is_set():
@@ -131,25 +142,6 @@ class Relay:
             if not self._channel.is_closed:
                 await self._channel.close()
 
-    @staticmethod
-    def _batch_retrying(stop: asyncio.Event) -> AsyncRetrying:
-        """Retries of a batch that failed on an outage (it rolled back), until ``stop`` is set."""
-
-        def stopping(_: RetryCallState) -> bool:
-            return stop.is_set()
-
-        async def sleep(seconds: float) -> None:
-            await _first(stop.wait(), within=seconds)
-
-        return AsyncRetrying(
-            stop=stopping,
-            wait=wait_exponential(multiplier=0.2, max=10.0) + wait_random(0, 0.2),
-            retry=retry_if_exception(is_transient),
-            before_sleep=before_sleep_log(log, logging.WARNING),
-            sleep=sleep,
-            reraise=True,
-        )
-
     async def relay_batch(self) -> int:
         """Relay one batch in one transaction; returns how many rows it claimed."""
         self._wake.clear()
@@ -157,7 +149,9 @@ class Relay:
             rows = await queries.claim_outbox(conn, self.settings.relay_batch_size)
             if not rows:
                 return 0
-            published, failed = await self._publish(rows)
+            with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
+                published, failed = await self._publish(rows)
+                tracing.set_attribute(span, "worker.failed", len(failed))
             crash_point(RELAY_AFTER_PUBLISH)
             await queries.delete_outbox(conn, published)
             parked = await queries.fail_outbox(
@@ -166,6 +160,9 @@ class Relay:
                 max_attempts=self.settings.relay_max_attempts,
                 retry_delay=self.settings.relay_retry_delay,
             )
+        self.metrics.relay_batch(
+            len(rows), published=len(published), failed=len(failed), parked=len(parked)
+        )
         self.stats["relay_published"] += len(published)
         if failed:
             self.stats["relay_failed"] += len(failed)
@@ -203,7 +200,7 @@ class Relay:
                 singles.append([row])
             else:
                 chains[row.ordering_key].append(row)
-        await _first(
+        await first(
             asyncio.gather(*(publish_in_turn(c) for c in [*singles, *chains.values()])),
             within=PUBLISH_TIMEOUT,
             on_timeout=TimeoutError(f"no publisher confirms within {PUBLISH_TIMEOUT} s"),
@@ -221,6 +218,8 @@ class Relay:
             return f"exchange {row.exchange!r} does not exist"
         try:
             await exchange.publish(message, row.routing_key, mandatory=True)
+        except (TypeError, ValueError) as exc:  # pamqp refuses a property it cannot encode
+            return f"unpublishable: {exc}"
         except aiormq.exceptions.PublishError:
             return (
                 f"returned as unroutable: no queue is bound to exchange {row.exchange!r} "
@@ -232,6 +231,7 @@ class Relay:
             # e.g. the exchange was deleted since it was checked: check again on the next try
             self._exchanges.pop(row.exchange, None)
             raise Retryable(f"the publishing channel was closed: {exc!r}") from exc
+        crash_point(RELAY_MID_BATCH)
         return None
 
     async def _exchange(self, name: str) -> AbstractExchange | None:
@@ -257,7 +257,7 @@ class Relay:
 
     async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
         """Wait until woken, stopped, or ``seconds`` passed."""
-        await _first(self._wake.wait(), stop.wait(), within=seconds)
+        await first(self._wake.wait(), stop.wait(), within=seconds)
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """LISTEN for commits that added outbox rows, reconnecting after a lost connection.
@@ -265,12 +265,7 @@ class Relay:
         A notification only wakes the relay; polling still finds every row without one, so if
         listening fails for good the relay logs it and goes on polling.
         """
-        retrying = AsyncRetrying(
-            wait=wait_exponential(multiplier=0.5, max=10.0) + wait_random(0, 0.5),
-            retry=retry_if_exception(is_transient),
-            before_sleep=before_sleep_log(log, logging.WARNING),
-            reraise=True,
-        )
+        retrying = until_stopped(stop, initial=0.5, logger=log)
         try:
             await retrying(self._listen_once, stop)
         except Exception:
@@ -289,31 +284,9 @@ class Relay:
             await raw.add_listener(queries.OUTBOX_CHANNEL, on_notify)
             self._wake.set()  # rows committed while nobody listened
             try:
-                await _first(stop.wait(), lost.wait())
+                await first(stop.wait(), lost.wait())
             finally:
                 if not raw.is_closed():
                     await raw.remove_listener(queries.OUTBOX_CHANNEL, on_notify)
         if lost.is_set() and not stop.is_set():
             raise ConnectionError("the LISTEN connection was lost")
-
-
-async def _first(
-    *awaitables: Awaitable[Any],
-    within: float | None = None,
-    on_timeout: BaseException | None = None,
-) -> None:
-    """Wait until the first of ``awaitables`` finishes (re-raising its error) or ``within`` seconds.
-
-    The others are cancelled. When time runs out, ``on_timeout`` is raised if given.
-    """
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        done, _ = await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    for task in done:
-        task.result()
-    if not done and on_timeout is not None:
-        raise on_timeout

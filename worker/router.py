@@ -21,8 +21,10 @@ from worker.errors import HandlerRegistrationError, InvalidBody
 
 if TYPE_CHECKING:
     from worker.context import Context
+    from worker.workflows import Workflow
 
 HandlerFunc = Callable[[Any, "Context"], Awaitable[Any]]
+WorkflowFunc = Callable[[Any, "Workflow"], Awaitable[Any]]
 
 
 @dataclass(frozen=True)
@@ -31,8 +33,9 @@ class Handler:
 
     name: str
     routing_key: str
-    func: HandlerFunc
+    func: Callable[[Any, Any], Awaitable[Any]]
     body_type: Any
+    workflow: bool = False
     adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +53,7 @@ class Handler:
             raise InvalidBody(f"body failed validation: {errors}") from exc
 
 
-def _body_type(func: HandlerFunc) -> Any:
+def _body_type(func: Callable[..., Awaitable[Any]]) -> Any:
     params = list(inspect.signature(func).parameters.values())
     if len(params) != 2:
         raise HandlerRegistrationError(
@@ -101,6 +104,24 @@ class Router:
             if not inspect.iscoroutinefunction(func):
                 raise HandlerRegistrationError(f"handler {func.__qualname__} must be async def")
             self._add(Handler(name or routing_key, routing_key, func, _body_type(func)))
+            return func
+
+        return register
+
+    def workflow(
+        self, routing_key: str, *, name: str | None = None
+    ) -> Callable[[WorkflowFunc], WorkflowFunc]:
+        """Register the decorated coroutine function as a multi-step workflow for ``routing_key``.
+
+        It is called as ``func(body, wf)`` with a ``worker.Workflow``; each ``await wf.step(...)``
+        runs in a transaction of its own, and a redelivery resumes after the last committed step.
+        """
+
+        def register(func: WorkflowFunc) -> WorkflowFunc:
+            if not inspect.iscoroutinefunction(func):
+                raise HandlerRegistrationError(f"workflow {func.__qualname__} must be async def")
+            handler = Handler(name or routing_key, routing_key, func, _body_type(func), True)
+            self._add(handler)
             return func
 
         return register

@@ -11,47 +11,36 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
-from tenacity import (
-    AsyncRetrying,
-    before_sleep_log,
-    retry_if_exception,
-    stop_after_delay,
-    wait_exponential,
-)
 
+from worker.backoff import while_starting
 from worker.consumer import Consumer
 from worker.database import check_durable_commits, create_engine
-from worker.errors import is_transient
+from worker.janitor import Janitor
+from worker.metrics import Metrics, Monitor
 from worker.relay import Relay
 from worker.router import Router
-from worker.settings import Settings, redact
+from worker.settings import Settings, format_duration, redact
 
 log = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT = 60.0
 STATS_INTERVAL = 5.0
 
 
-def while_starting() -> AsyncRetrying:
-    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up."""
-    return AsyncRetrying(
-        stop=stop_after_delay(STARTUP_TIMEOUT),
-        wait=wait_exponential(multiplier=0.2, max=5),
-        retry=retry_if_exception(is_transient),
-        before_sleep=before_sleep_log(log, logging.WARNING),
-        reraise=True,
-    )
+class Component(Protocol):
+    """A supervised part of the process: runs until ``stop`` is set, raises if it fails."""
+
+    async def run(self, stop: asyncio.Event) -> None: ...
 
 
 async def connect_broker(settings: Settings, *, name: str = "worker") -> AbstractRobustConnection:
     """A robust broker connection, retried with backoff while the broker starts."""
-    connection: AbstractRobustConnection = await while_starting()(
+    connection: AbstractRobustConnection = await while_starting(log)(
         aio_pika.connect_robust, settings.amqp_url, client_properties={"connection_name": name}
     )
     return connection
@@ -84,12 +73,12 @@ async def _open_engine(
 ) -> AsyncEngine:
     engine = create_engine(settings, **kwargs)
     stack.push_async_callback(engine.dispose)
-    await while_starting()(check_durable_commits, engine)
+    await while_starting(log)(check_durable_commits, engine)
     return engine
 
 
 async def _open_relay(
-    stack: contextlib.AsyncExitStack, settings: Settings, stats: Counter[str]
+    stack: contextlib.AsyncExitStack, settings: Settings, stats: Counter[str], metrics: Metrics
 ) -> Relay:
     """A relay on a database pool and a broker connection of its own.
 
@@ -98,9 +87,60 @@ async def _open_relay(
     engine = await _open_engine(stack, settings, application_name="worker-relay", pool_size=2)
     connection = await connect_broker(settings, name="worker-relay")
     stack.push_async_callback(connection.close)
-    relay = Relay(settings, engine, connection, stats)
+    relay = Relay(settings, engine, connection, stats, metrics)
     await relay.start()
     return relay
+
+
+async def _open_monitor(
+    stack: contextlib.AsyncExitStack,
+    settings: Settings,
+    connection: AbstractRobustConnection,
+    metrics: Metrics,
+    consuming: Callable[[], bool] | None = None,
+) -> Monitor:
+    """``/healthz`` and ``/metrics``, listening before the process reports it started, on a
+    one-connection pool of their own so that a busy consumer never looks like a dead database."""
+    engine = create_engine(settings, application_name="worker-metrics", pool_size=1)
+    stack.push_async_callback(engine.dispose)
+    monitor = Monitor(settings, engine, connection, metrics, consuming=consuming)
+    stack.push_async_callback(monitor.close)
+    port = await monitor.start()
+    if port is not None:
+        log.info("serving /healthz and /metrics on %s:%d", settings.http_host, port)
+    return monitor
+
+
+async def _supervise(
+    settings: Settings,
+    stop: asyncio.Event,
+    components: dict[str, Component],
+    started: asyncio.Event | None,
+    before_stopping: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Run ``components`` until ``stop`` is set or one of them fails, then stop them all.
+
+    ``before_stopping`` (the consumer's drain) runs first; each component then has the grace
+    period to finish before it is cancelled. A failed component's error is raised.
+    """
+    background_stop = asyncio.Event()
+    background = [
+        asyncio.create_task(component.run(background_stop), name=name)
+        for name, component in components.items()
+    ]
+    if started is not None:
+        started.set()
+    try:
+        await _until_stopped(stop, background)
+    finally:
+        if before_stopping is not None:
+            await before_stopping()
+        background_stop.set()
+        _, late = await asyncio.wait(background, timeout=settings.shutdown_grace)
+        for task in late:
+            log.warning("the %s did not stop within the grace period", task.get_name())
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
 
 
 async def run(
@@ -113,31 +153,53 @@ async def run(
     """Consume until ``stop`` is set; count outcomes in ``stats`` (a new one by default).
 
     Unless ``settings.relay`` is off, an outbox relay runs alongside, woken by every commit that
-    added events. If the relay dies, the consumer is drained and the error is raised: the process
-    never runs half-alive.
+    added events; unless ``settings.janitor`` is off, so does the inbox janitor; and the
+    ``/healthz`` and ``/metrics`` endpoint. If any of them dies, the consumer is drained and the
+    error is raised: the process never runs half-alive.
     """
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         engine = await _open_engine(stack, settings)
-        relay = await _open_relay(stack, settings, stats) if settings.relay else None
+        metrics = Metrics()
+        relay = await _open_relay(stack, settings, stats, metrics) if settings.relay else None
         connection = await connect_broker(settings)
         stack.push_async_callback(connection.close)
         consumer = Consumer(
-            settings, router, engine, connection, stats, on_events=relay.wake if relay else None
+            settings,
+            router,
+            engine,
+            connection,
+            stats,
+            on_events=relay.wake if relay else None,
+            metrics=metrics,
         )
         await consumer.start()
-        relay_stop = asyncio.Event()
-        relay_task = asyncio.create_task(relay.run(relay_stop), name="relay") if relay else None
-        if started is not None:
-            started.set()
-        try:
-            await _until_stopped(stop, relay_task)
-        finally:
-            log.info("stopping: draining in-flight messages")
-            await consumer.stop()
-            relay_stop.set()
-            if relay_task is not None:
-                await asyncio.gather(relay_task, return_exceptions=True)
+        if any(h.workflow for h in router.handlers()) and (
+            settings.workflow_lease >= settings.retry_chain
+        ):
+            log.warning(
+                "workflow_lease (%s) is not shorter than the delayed-retry chain (%s): a "
+                "duplicate of a crashed workflow may be parked before the lease runs out",
+                format_duration(settings.workflow_lease),
+                format_duration(settings.retry_chain),
+            )
+        components: dict[str, Component] = {"consumer": consumer}
+        if relay is not None:
+            components["relay"] = relay
+        if settings.janitor:
+            components["janitor"] = Janitor(settings, engine, stats, metrics)
+        components["monitor"] = await _open_monitor(
+            stack, settings, connection, metrics, lambda: consumer.consuming
+        )
+
+        async def drain() -> None:
+            log.info(
+                "stopping: draining in-flight messages (at most %s)",
+                format_duration(settings.shutdown_grace),
+            )
+            await consumer.stop(settings.shutdown_grace)
+
+        await _supervise(settings, stop, components, started, drain)
     return stats
 
 
@@ -150,22 +212,22 @@ async def run_relay(
     """Relay the outbox until ``stop`` is set (the ``worker relay`` command)."""
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
-        relay = await _open_relay(stack, settings, stats)
-        if started is not None:
-            started.set()
-        await relay.run(stop)
+        metrics = Metrics()
+        relay = await _open_relay(stack, settings, stats, metrics)
+        monitor = await _open_monitor(stack, settings, relay.connection, metrics)
+        await _supervise(settings, stop, {"relay": relay, "monitor": monitor}, started)
     return stats
 
 
-async def _until_stopped(stop: asyncio.Event, task: asyncio.Task[None] | None) -> None:
-    """Return when ``stop`` is set; raise if ``task`` ends first, whatever the reason."""
+async def _until_stopped(stop: asyncio.Event, tasks: Sequence[asyncio.Task[None]]) -> None:
+    """Return when ``stop`` is set; raise if one of ``tasks`` ends first, whatever the reason."""
     waiter = asyncio.create_task(stop.wait())
-    watched = {waiter} if task is None else {waiter, task}
     try:
-        await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiter, *tasks}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         waiter.cancel()
-    if task is not None and task.done() and not stop.is_set():
-        raise RuntimeError(f"the {task.get_name()} task stopped unexpectedly") from (
-            task.exception() if not task.cancelled() else None
-        )
+    for task in tasks:
+        if task.done() and not stop.is_set():
+            raise RuntimeError(f"the {task.get_name()} task stopped unexpectedly") from (
+                task.exception() if not task.cancelled() else None
+            )

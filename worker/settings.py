@@ -36,12 +36,61 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
+def port(raw: str) -> int:
+    """A TCP port, or 0 for none."""
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port between 0 and 65535 (0 turns it off)")
+    return value
+
+
+def log_format(raw: str) -> str:
+    """``text`` (for people) or ``json`` (one object per line, for log collectors)."""
+    value = raw.strip().lower()
+    if value not in {"text", "json"}:
+        raise ValueError("must be text or json")
+    return value
+
+
 def boolean(raw: str) -> bool:
     """``true/false``, ``yes/no``, ``on/off`` or ``1/0``, in any case."""
     value = raw.strip().lower()
     if value in _TRUE | _FALSE:
         return value in _TRUE
     raise ValueError("must be true or false")
+
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def duration(raw: str) -> float:
+    """Seconds from ``90``, ``1.5``, ``500ms``, ``10s``, ``5m``, ``2h`` or ``7d``; more than 0."""
+    text = raw.strip().lower()
+    unit = next((u for u in ("ms", "s", "m", "h", "d") if text.endswith(u)), "")
+    number = text[: len(text) - len(unit)].strip()
+    try:
+        seconds = float(number) * _UNITS.get(unit, 1.0)
+    except ValueError:
+        raise ValueError("must be a duration such as 30s, 5m, 2h or 7d") from None
+    if not seconds > 0 or seconds == float("inf"):
+        raise ValueError("must be a positive, finite duration")
+    return seconds
+
+
+def durations(raw: str) -> tuple[float, ...]:
+    """A comma-separated list of durations (``1s,10s,1m``); ``none`` is the empty list."""
+    if raw.strip().lower() == "none":
+        return ()
+    return tuple(duration(part) for part in raw.split(",") if part.strip())
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest unit that shows ``seconds`` exactly: 604800 -> 7d, 90 -> 90s, 0.5 -> 500ms."""
+    for unit in ("d", "h", "m", "s"):
+        count = seconds / _UNITS[unit]
+        if count >= 1 and count == int(count):
+            return f"{int(count)}{unit}"
+    return f"{seconds * 1000:g}ms"
 
 
 def _handler_list(raw: str) -> tuple[str, ...]:
@@ -75,6 +124,14 @@ FIELDS: tuple[Field, ...] = (
     Field("handlers", _handler_list, "comma-separated handler modules to load"),
     Field("max_body_bytes", positive_int, "larger message bodies are dead-lettered"),
     Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+    Field("log_format", log_format, "text, or json for one JSON object per line"),
+    Field(
+        "shutdown_grace",
+        duration,
+        "on SIGTERM, how long in-flight messages may take to commit before they are rolled back",
+    ),
+    Field("http_host", str, "address of the /healthz and /metrics endpoint"),
+    Field("http_port", port, "port of the /healthz and /metrics endpoint (0: none)"),
     Field("relay", boolean, "run the outbox relay inside `worker run` too"),
     Field("relay_batch_size", positive_int, "outbox rows the relay claims per transaction"),
     Field("relay_max_attempts", positive_int, "failed publishes of a row before it is parked"),
@@ -85,6 +142,25 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("relay_poll_interval", positive_float, "longest wait, in seconds, of an idle relay"),
     Field("outbox_notify", boolean, "NOTIFY relays after each commit that added outbox rows"),
+    Field(
+        "transient_attempts",
+        positive_int,
+        "in-process tries of a unit of work that fails transiently, before a delayed retry",
+    ),
+    Field(
+        "retry_delays",
+        durations,
+        "delays of the delayed retries, one queue each (e.g. 1s,10s,1m; none: straight to DLQ)",
+    ),
+    Field("inbox_retention", duration, "how long inbox keys are kept (must outlast the retries)"),
+    Field("janitor", boolean, "run the inbox janitor inside `worker run` too"),
+    Field("janitor_interval", duration, "time between the janitor's sweeps"),
+    Field("janitor_batch_size", positive_int, "expired inbox keys deleted per transaction"),
+    Field(
+        "workflow_lease",
+        duration,
+        "how long a workflow's owner keeps it between steps before another delivery may take over",
+    ),
 )
 
 
@@ -101,12 +177,31 @@ class Settings:
     handlers: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 1024 * 1024
     log_level: str = "INFO"
+    log_format: str = "text"
+    shutdown_grace: float = 30.0
+    http_host: str = "0.0.0.0"  # a container's endpoint listens on every interface
+    http_port: int = 9180
     relay: bool = True
     relay_batch_size: int = 100
     relay_max_attempts: int = 10
     relay_retry_delay: float = 1.0
     relay_poll_interval: float = 1.0
     outbox_notify: bool = True
+    transient_attempts: int = 3
+    retry_delays: tuple[float, ...] = (1.0, 10.0, 60.0)
+    inbox_retention: float = 7 * 86400.0
+    janitor: bool = True
+    janitor_interval: float = 60.0
+    janitor_batch_size: int = 1000
+    workflow_lease: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.inbox_retention <= self.retry_chain:
+            raise ConfigurationError(
+                f"inbox_retention ({format_duration(self.inbox_retention)}) must be longer than "
+                f"the delayed-retry chain ({format_duration(self.retry_chain)}): a message "
+                "redelivered after its key expired would apply its effect again"
+            )
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
@@ -126,6 +221,15 @@ class Settings:
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
+
+    @property
+    def retry_chain(self) -> float:
+        """Seconds from a message's first failure to its last delayed retry, at the least."""
+        return float(sum(self.retry_delays))
+
+    def retry_queue(self, delay: float) -> str:
+        """The queue where a message waits ``delay`` seconds before returning to the work queue."""
+        return f"{self.queue}.retry.{format_duration(delay)}"
 
     @property
     def dead_letter_exchange(self) -> str:

@@ -1,8 +1,10 @@
 """The worker's own tables. Migrations in ``worker/migrations`` create exactly this metadata.
 
-``inbox`` holds one row per (handler, idempotency key) whose effect has committed; ``outbox``
-holds events committed with an effect and not yet confirmed by the broker; ``outbox_parked`` holds
-events the relay gave up on after its last attempt, for an operator to inspect and retry.
+``inbox`` holds one row per (handler, idempotency key) whose effect has committed, or failed, or
+(for a workflow) is under way between steps under its owner's lease; ``workflow_steps`` holds the
+output of each committed step of a workflow; ``outbox`` holds events committed with an effect and
+not yet confirmed by the broker; ``outbox_parked`` holds events the relay gave up on after its
+last attempt, for an operator to inspect and retry.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    ForeignKeyConstraint,
     Identity,
     Index,
     Integer,
@@ -26,15 +29,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-metadata = MetaData(
-    naming_convention={
-        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
-        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
-        "ck": "ck_%(table_name)s_%(constraint_name)s",
-        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
-        "pk": "pk_%(table_name)s",
-    }
-)
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+"""Constraint and index names that autogenerate reproduces; handler modules may use it too."""
+
+metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 INBOX_STATUSES = ("in_progress", "completed", "failed")
 
@@ -51,11 +55,27 @@ inbox = Table(
     Column("attempts", Integer, nullable=False, server_default=text("1")),
     Column("message_id", Text, nullable=True),
     Column("routing_key", Text, nullable=False),
+    Column("owner", Text, nullable=True, comment="the delivery running this workflow"),
+    Column("lease_until", DateTime(timezone=True), nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Column("updated_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("handler", "key"),
     CheckConstraint("status IN ('in_progress', 'completed', 'failed')", name="status"),
     Index(None, "updated_at"),
+    Index("ix_inbox_in_progress", "updated_at", postgresql_where=text("status = 'in_progress'")),
+)
+
+workflow_steps = Table(
+    "workflow_steps",
+    metadata,
+    Column("handler", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("step", Text, nullable=False),
+    Column("position", Integer, nullable=False),
+    Column("output", JSONB, nullable=True),
+    Column("completed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("handler", "key", "step"),
+    ForeignKeyConstraint(["handler", "key"], ["inbox.handler", "inbox.key"], ondelete="CASCADE"),
 )
 
 outbox = Table(

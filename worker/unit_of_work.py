@@ -10,12 +10,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import queries
 from worker.context import Context
 from worker.envelope import Envelope
 from worker.errors import HandlerFailed, KeyReused, is_transient
+from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, crash_point
+from worker.queries import InboxEntry
 
 
 class Outcome(enum.Enum):
@@ -23,6 +25,33 @@ class Outcome(enum.Enum):
 
     PROCESSED = "processed"
     DUPLICATE = "duplicate"
+    DUPLICATE_OF_FAILED = "duplicate_of_failed"
+
+
+async def claim(
+    conn: AsyncConnection,
+    envelope: Envelope,
+    *,
+    owner: str | None = None,
+    lease: float | None = None,
+) -> InboxEntry | None:
+    """Claim the envelope's key in ``conn``'s transaction: None when claimed, else the key's
+    committed entry. Raises ``KeyReused`` when that entry has another fingerprint."""
+    while not await queries.claim_key(conn, envelope, owner=owner, lease=lease):
+        existing = await queries.fetch_key(conn, envelope.handler.name, envelope.key)
+        if existing is None:
+            continue  # the row vanished between the two statements: claim again
+        if existing.fingerprint != envelope.fingerprint:
+            raise KeyReused()
+        return existing
+    return None
+
+
+def duplicate(existing: InboxEntry) -> Outcome:
+    """The outcome of a delivery whose key was completed, or failed, before."""
+    if existing.status == "failed":
+        return Outcome.DUPLICATE_OF_FAILED  # not re-run until a DLQ replay clears it
+    return Outcome.DUPLICATE
 
 
 async def process(
@@ -44,13 +73,9 @@ async def process(
     """
     handler = envelope.handler
     async with engine.connect() as conn, conn.begin():
-        while not await queries.claim_key(conn, envelope):
-            existing = await queries.fetch_key(conn, handler.name, envelope.key)
-            if existing is None:
-                continue  # the row vanished between the two statements: claim again
-            if existing.fingerprint != envelope.fingerprint:
-                raise KeyReused()
-            return Outcome.DUPLICATE
+        existing = await claim(conn, envelope)
+        if existing is not None:
+            return duplicate(existing)
 
         ctx = Context(conn, envelope, default_exchange)
         try:
@@ -58,6 +83,7 @@ async def process(
             await ctx.flush()
             await queries.append_outbox(conn, ctx.outbox, notify=notify)
             await queries.complete_key(conn, handler.name, envelope.key, result)
+            crash_point(UNIT_OF_WORK_BEFORE_COMMIT)
         except Exception as exc:
             if is_transient(exc):
                 raise

@@ -1,0 +1,934 @@
+"""Throughput of the worker against baselines measured in the same run, on the same machine.
+
+Every scenario gets fresh broker names; the queue is preloaded first (publisher confirms,
+``PUBLISH_WINDOW`` publishes in flight at a time) and only the drain is timed:
+
+a. ``aio-pika consume+ack``: a bare consumer that acks each delivery, no database; prefetch as the
+   worker's. The broker-client ceiling.
+b. ``naive asyncpg``: the payments example's business write done by hand, one asyncpg transaction
+   per message (insert the ledger row, ``ON CONFLICT DO NOTHING``; when it was new, upsert the
+   balance), ack after commit; prefetch and concurrency as the worker's.
+c. ``worker, relay off``: ``worker.runner.run`` with ``examples.payments``, until every preloaded
+   message is processed or recognised as a duplicate.
+d. ``worker + relay``: the same with the in-process relay, until every payment is processed, every
+   settlement notice written (the example consumes its own ``payment.settled``) and a capture
+   queue bound to ``payment.settled`` holds one event per payment.
+e. ``relay draining the outbox``: ``worker.runner.run_relay`` alone on N preloaded outbox rows (the
+   payments example's ``payment.settled`` events, written with ``queries.append_outbox``),
+   against ``bare publish+confirm``: the same N messages published with aio-pika, confirms on,
+   ``mandatory`` to a bound queue, ``PUBLISH_WINDOW`` in flight and then awaited.
+
+The payments are ``examples.payments.demo.plan_payments``: a share of them (``--duplicates``) are
+repeats of earlier ones, spread over ``--accounts`` accounts. The tables are emptied and a
+CHECKPOINT taken before each scenario that writes, so each starts from the same state. A timed
+run starts once the worker (or relay) reported it had started and ends at the first poll
+(every ``POLL_INTERVAL``) that sees it finished; everything runs in this one process and event
+loop, next to PostgreSQL and RabbitMQ. ``cpu %`` is this process's CPU time (user + system)
+over the drain's wall time: near 100 % means one core spent in Python, the client is the limit.
+Each drain may take ``--timeout`` seconds (default 120 + 20 ms per message); a scenario that
+takes longer is reported as not finished, and the others still run.
+
+Run time on a 2-core machine with both services on it: about 4 minutes with ``--messages
+10000``; the default 50,000 would take roughly 17 (most of it in (c) and (d) at 100-200 msg/s).
+
+``latency``: the worker as in (c), offered ``--latency-rate`` requests per second (1000) for
+``--latency-seconds`` on absolute deadlines, each with its wall-clock publish time in the
+``x-bench-published-at`` header. Two delays per request, nearest-rank percentiles:
+
+- publish -> commit: until the consumer's after-commit debug record for its key (logged after the
+  commit and before the ack; captured by a filter on the ``worker.consumer`` logger, which keeps
+  those records from going anywhere else);
+- publish -> transaction start: until the inbox row's ``created_at``, which is PostgreSQL's
+  ``now()``, i.e. when the transaction began, not when it committed.
+
+A fresh database ``worker_bench_<hex>`` is created next to the one in ``WORKER_DATABASE_URL``,
+migrated and dropped at the end; exchanges and queues on ``WORKER_AMQP_URL`` are named
+``bench-<hex>-<scenario>...`` and deleted at the end of each scenario. From the repository root::
+
+    .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,latency]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import itertools
+import json
+import logging
+import os
+import resource
+import time
+import uuid
+from collections import Counter
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+)
+from dataclasses import dataclass, field
+from typing import Any
+
+import aio_pika
+import asyncpg
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from benchmarks.relay_latency import (
+    delete_broker_objects,
+    offer,
+    percentile,
+    progress,
+    stopping,
+    until_started,
+)
+from examples.payments import router as payments_router
+from examples.payments.demo import DemoPlan, plan_payments
+from worker import queries, runner
+from worker.context import OutboxMessage
+from worker.database import create_engine
+from worker.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.settings import Settings, positive_float, positive_int
+from worker.testing import scratch_database
+from worker.topology import declare_topology
+
+log = logging.getLogger("benchmarks.throughput")
+
+REQUESTED = "payment.requested"
+SETTLED = "payment.settled"
+PUBLISHED_AT_HEADER = "x-bench-published-at"
+SEED = 1
+PUBLISH_WINDOW = 1000
+"""Publishes in flight at once when preloading, and in the bare publish+confirm baseline."""
+OUTBOX_BATCH = 1000
+"""Outbox rows inserted per transaction when preloading the outbox for (e)."""
+POLL_INTERVAL = 0.01
+"""Seconds between checks of whether a timed scenario has finished."""
+LATENCY_WARM_UP = 0.5
+"""Seconds of offered load before the latency measurement: pool connections, caches."""
+SCENARIOS = ("a", "b", "c", "d", "e", "latency")
+AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
+"""The format of ``worker.consumer``'s debug record after each commit; its second argument is
+the key. If the consumer stops logging it, the publish -> commit latency is reported as n/a."""
+PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
+WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_parked")
+EXPECTED_STATS = frozenset({"processed", "duplicate", "relay_published"})
+"""Stats counters of an undisturbed run; any other (dead letters, retries ...) is reported."""
+
+
+class ScenarioTimeout(Exception):
+    """A scenario did not finish within ``--timeout`` seconds."""
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run, from the command line."""
+
+    messages: int
+    duplicates: float
+    accounts: int
+    only: tuple[str, ...]
+    latency_seconds: float
+    latency_rate: float
+    timeout: float
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Wall-clock seconds of a timed drain, and the CPU seconds this process spent in them."""
+
+    seconds: float
+    cpu_seconds: float
+
+
+@dataclass
+class Run:
+    """One timed scenario; ``timing`` is None when it did not finish."""
+
+    key: str
+    label: str
+    messages: int
+    timing: Timing | None
+
+    @property
+    def rate(self) -> float | None:
+        """Messages per second, when the scenario finished."""
+        return self.messages / self.timing.seconds if self.timing else None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A goal of the form ``numerator >= at_least x denominator``, in msg/s."""
+
+    numerator: str
+    denominator: str
+    at_least: float
+
+
+TARGETS = (
+    Target("c", "a", 1.0),
+    Target("c", "b", 4.0),
+    Target("d", "a", 0.6),
+    Target("e", "bare", 1.0),
+)
+
+
+@dataclass
+class Latency:
+    """Delays in seconds by what they end at; how long offering took, and until all were handled."""
+
+    count: int
+    rate: float
+    offered_seconds: float
+    handled_seconds: float
+    to_commit: list[float]
+    to_transaction_start: list[float]
+
+
+@dataclass
+class Bench:
+    """What every scenario shares: settings, connections, the payments and the results."""
+
+    settings: Settings
+    options: Options
+    run_id: str
+    connection: AbstractRobustConnection
+    channel: AbstractChannel
+    engine: AsyncEngine
+    plan: DemoPlan
+    runs: list[Run] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    latency: Latency | None = None
+    peak_rss_kib: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def unique(self) -> int:
+        return len(self.plan.payments)
+
+    @property
+    def repeats(self) -> int:
+        return len(self.plan.sends) - len(self.plan.payments)
+
+    def names(self, scenario: str, **changes: Any) -> Settings:
+        """Settings with an exchange and queues of the scenario's own, no HTTP endpoint."""
+        prefix = f"bench-{self.run_id}-{scenario}"
+        return self.settings.replace(
+            exchange=f"{prefix}-events", queue=prefix, http_port=0, **changes
+        )
+
+    def note(self, scenario: str, text: str) -> None:
+        self.notes.append(f"({scenario}) {text}")
+
+
+# Messages and publishing
+
+
+def request_message(
+    payment: dict[str, object], headers: dict[str, Any] | None = None
+) -> aio_pika.Message:
+    """A ``payment.requested`` message as ``worker demo`` sends it: keyed by the payment id."""
+    key = str(payment["payment_id"])
+    return aio_pika.Message(
+        json.dumps(payment).encode(),
+        content_type="application/json",
+        message_id=key,
+        headers={IDEMPOTENCY_KEY_HEADER: key, **(headers or {})},
+        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+    )
+
+
+def settled_body(payment: dict[str, object]) -> bytes:
+    """The body of the ``payment.settled`` event of ``payment`` (balance: its own amount)."""
+    return json.dumps({**payment, "balance_cents": payment["amount_cents"]}).encode()
+
+
+async def publish_all(
+    exchange: AbstractExchange, routing_key: str, messages: Iterable[aio_pika.Message]
+) -> None:
+    """Publish ``messages`` on a confirming channel, ``PUBLISH_WINDOW`` confirms pipelined at a
+    time; raises if one is returned (``mandatory``) or nacked."""
+    pending = iter(messages)
+    while window := list(itertools.islice(pending, PUBLISH_WINDOW)):
+        await asyncio.gather(*(exchange.publish(m, routing_key, mandatory=True) for m in window))
+
+
+async def preload(bench: Bench, exchange: AbstractExchange, routing_key: str) -> None:
+    """Publish every planned request, confirmed; prints how long it took."""
+    started = time.perf_counter()
+    await publish_all(exchange, routing_key, (request_message(p) for p in bench.plan.sends))
+    progress(
+        f"  preloaded {len(bench.plan.sends)} messages in {time.perf_counter() - started:.1f} s"
+    )
+
+
+async def queue_depth(queue: AbstractQueue) -> int:
+    """Messages ready in ``queue`` (a passive declare: one round trip)."""
+    return (await queue.declare()).message_count or 0
+
+
+# Waiting and timing
+
+
+class Stopwatch:
+    """Wall clock and this process's CPU time (user + system, all threads) since creation."""
+
+    def __init__(self) -> None:
+        self._wall, self._cpu = time.perf_counter(), self._cpu_now()
+
+    @staticmethod
+    def _cpu_now() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    @property
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._wall
+
+    def read(self) -> Timing:
+        return Timing(self.elapsed, self._cpu_now() - self._cpu)
+
+
+async def timed(
+    finished: Callable[[], Awaitable[bool]],
+    within: float,
+    task: asyncio.Task[Any] | None = None,
+) -> Timing:
+    """Time until ``finished()`` is true, polled every ``POLL_INTERVAL``.
+
+    Raises ``ScenarioTimeout`` after ``within`` seconds, and the error of ``task`` (the worker
+    or relay under test) if it ends first.
+    """
+    watch = Stopwatch()
+    while not await finished():
+        if task is not None and task.done():
+            task.result()
+            raise RuntimeError(f"the {task.get_name()} stopped before the scenario finished")
+        if watch.elapsed > within:
+            raise ScenarioTimeout(f"not finished within {within:g} s")
+        await asyncio.sleep(POLL_INTERVAL)
+    return watch.read()
+
+
+Service = Callable[[asyncio.Event, asyncio.Event, Counter[str]], Coroutine[Any, Any, Counter[str]]]
+"""``runner.run`` or ``runner.run_relay`` with their settings bound: (stop, started, stats)."""
+
+
+def worker_service(settings: Settings) -> Service:
+    """``worker.runner.run`` with the payments example on ``settings``."""
+    return functools.partial(runner.run, settings, payments_router)
+
+
+@contextlib.asynccontextmanager
+async def serving(
+    name: str, service: Service
+) -> AsyncIterator[tuple[asyncio.Task[Counter[str]], Counter[str]]]:
+    """Run ``service`` in a task; yield it and its stats once started, stop it on exit."""
+    stop, started, stats = asyncio.Event(), asyncio.Event(), Counter[str]()
+    task = asyncio.create_task(service(stop, started, stats), name=name)
+    try:
+        await until_started(task, started)
+        yield task, stats
+    finally:
+        await stopping(task, stop)
+
+
+def handled(stats: Counter[str]) -> int:
+    """Deliveries that reached their end: processed or recognised as duplicates."""
+    return stats["processed"] + stats["duplicate"]
+
+
+def unusual(stats: Counter[str]) -> dict[str, int]:
+    return {k: n for k, n in stats.items() if n and k not in EXPECTED_STATS}
+
+
+# The database
+
+
+async def reset_tables(engine: AsyncEngine) -> None:
+    """Empty the worker's and the example's tables, then CHECKPOINT, so each scenario starts
+    from the same state without the previous one's dirty pages to write."""
+    async with engine.begin() as conn:
+        await conn.execute(text(f"TRUNCATE {', '.join(WORKER_TABLES + PAYMENT_TABLES)}"))
+    async with engine.connect() as conn:
+        await conn.execute(text("CHECKPOINT"))
+
+
+async def count_rows(engine: AsyncEngine, table: str) -> int:
+    async with engine.connect() as conn:
+        return int((await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one())
+
+
+async def check_payments(bench: Bench, scenario: str, *, notices: bool = False) -> None:
+    """Note any difference from the plan: ledger rows, balances, and (``notices``) notices."""
+    tables = ("ledger_entries", "settlement_notices") if notices else ("ledger_entries",)
+    for table in tables:
+        rows = await count_rows(bench.engine, table)
+        if rows != bench.unique:
+            bench.note(scenario, f"{table} has {rows} rows, expected {bench.unique}")
+    async with bench.engine.connect() as conn:
+        result = await conn.execute(text("SELECT account, balance_cents FROM accounts"))
+        balances = {str(account): int(cents) for account, cents in result}
+    if balances != bench.plan.expected_balances:
+        bench.note(scenario, "balances differ from the planned payments' sums")
+
+
+# Broker clean-up
+
+
+# The scenarios
+
+
+async def bare_consume(bench: Bench) -> Timing:
+    """(a) A consumer that only acks: the broker and client ceiling."""
+    queue_name = bench.names("a").queue
+    queue = await bench.channel.declare_queue(queue_name, durable=True)
+    connection = await runner.connect_broker(bench.settings, name="bench-a")
+    try:
+        await preload(bench, bench.channel.default_exchange, queue_name)
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=bench.settings.prefetch)
+        consumed = await channel.get_queue(queue_name, ensure=False)
+        acked = 0
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            nonlocal acked
+            await message.ack()
+            acked += 1
+
+        async def finished() -> bool:
+            return acked >= len(bench.plan.sends)
+
+        await consumed.consume(on_message)
+        return await timed(finished, bench.options.timeout)
+    finally:
+        await connection.close()
+        await queue.delete(if_unused=False, if_empty=False)
+
+
+LEDGER_INSERT = """
+INSERT INTO ledger_entries (payment_id, account, amount_cents) VALUES ($1, $2, $3)
+ON CONFLICT (payment_id) DO NOTHING RETURNING payment_id
+"""
+BALANCE_UPSERT = """
+INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)
+ON CONFLICT (account) DO UPDATE SET balance_cents = accounts.balance_cents + excluded.balance_cents
+RETURNING balance_cents
+"""
+
+
+async def naive_consume(bench: Bench) -> Timing:
+    """(b) One asyncpg transaction per message doing the payments example's write; ack after
+    commit. A repeated payment finds its ledger row taken and changes nothing."""
+    settings = bench.settings
+    queue_name = bench.names("b").queue
+    queue = await bench.channel.declare_queue(queue_name, durable=True)
+    await reset_tables(bench.engine)
+    connection = await runner.connect_broker(settings, name="bench-b")
+    pool = await asyncpg.create_pool(
+        settings.database_url,
+        min_size=settings.concurrency,
+        max_size=settings.concurrency,
+        server_settings={"application_name": "bench-naive"},
+    )
+    try:
+        await preload(bench, bench.channel.default_exchange, queue_name)
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=settings.prefetch)
+        consumed = await channel.get_queue(queue_name, ensure=False)
+        slots = asyncio.Semaphore(settings.concurrency)
+        acked = 0
+
+        async def on_message(message: AbstractIncomingMessage) -> None:
+            nonlocal acked
+            payment = json.loads(message.body)
+            account, amount = payment["account"], payment["amount_cents"]
+            async with slots, pool.acquire() as conn, conn.transaction():
+                if await conn.fetchval(LEDGER_INSERT, payment["payment_id"], account, amount):
+                    await conn.fetchval(BALANCE_UPSERT, account, amount)
+            await message.ack()
+            acked += 1
+
+        async def finished() -> bool:
+            return acked >= len(bench.plan.sends)
+
+        await consumed.consume(on_message)
+        timing = await timed(finished, bench.options.timeout)
+    finally:
+        await connection.close()
+        await pool.close()
+        await queue.delete(if_unused=False, if_empty=False)
+    await check_payments(bench, "b")
+    return timing
+
+
+async def worker_relay_off(bench: Bench) -> Timing:
+    """(c) ``worker.runner.run`` with the payments example and no relay."""
+    settings = bench.names("c", relay=False)
+    await reset_tables(bench.engine)
+    bench.peak_rss_kib["before (c)"] = peak_rss_kib()
+    try:
+        topology = await declare_topology(bench.channel, settings, payments_router.routing_keys())
+        await preload(bench, topology.exchange, REQUESTED)
+
+        async with serving("worker", worker_service(settings)) as (task, stats):
+            early = handled(stats)
+
+            async def finished() -> bool:
+                return handled(stats) >= len(bench.plan.sends)
+
+            timing = await timed(finished, bench.options.timeout, task)
+    finally:
+        await delete_broker_objects(settings)
+    bench.peak_rss_kib["after (c)"] = peak_rss_kib()
+    if early:
+        bench.note("c", f"{early} messages were handled before the worker reported it started")
+    if odd := unusual(stats):
+        bench.note("c", f"{odd} (all stats: {dict(stats)})")
+    await check_payments(bench, "c")
+    return timing
+
+
+async def worker_with_relay(bench: Bench) -> Timing:
+    """(d) The worker with its relay, until every payment's event is downstream and every
+    settlement notice is written."""
+    settings = bench.names("d", relay=True)
+    capture_name = f"{settings.queue}.capture"
+    await reset_tables(bench.engine)
+    try:
+        topology = await declare_topology(bench.channel, settings, payments_router.routing_keys())
+        capture = await bench.channel.declare_queue(capture_name, durable=True)
+        await capture.bind(topology.exchange, SETTLED)
+        passive = await bench.channel.declare_queue(capture_name, passive=True)
+        await preload(bench, topology.exchange, REQUESTED)
+
+        async with serving("worker", worker_service(settings)) as (task, stats):
+
+            async def finished() -> bool:
+                # payments + notices processed (each key once), the repeats acked as duplicates,
+                # and every event in the capture queue
+                if stats["processed"] < 2 * bench.unique or stats["duplicate"] < bench.repeats:
+                    return False
+                return await queue_depth(passive) >= bench.unique
+
+            timing = await timed(finished, bench.options.timeout, task)
+        captured = await queue_depth(passive)
+    finally:
+        await delete_broker_objects(settings, [capture_name])
+    if captured != bench.unique:
+        bench.note("d", f"{captured} events captured downstream for {bench.unique} payments")
+    if odd := unusual(stats):
+        bench.note("d", f"{odd} (all stats: {dict(stats)})")
+    if left := await count_rows(bench.engine, "outbox"):
+        bench.note("d", f"{left} outbox rows left after the worker stopped")
+    await check_payments(bench, "d", notices=True)
+    return timing
+
+
+def outbox_messages(bench: Bench, exchange: str) -> Iterator[OutboxMessage]:
+    """One ``payment.settled`` event per planned send, as the payments handler records it."""
+    for payment in bench.plan.sends:
+        key = str(payment["payment_id"])
+        yield OutboxMessage(
+            message_id=uuid.uuid4(),
+            exchange=exchange,
+            routing_key=SETTLED,
+            body=settled_body(payment),
+            content_type="application/json",
+            headers={},
+            correlation_id=key,
+            causation_id=key,
+            ordering_key=str(payment["account"]),
+        )
+
+
+async def relay_alone(bench: Bench) -> Timing:
+    """(e) ``worker.runner.run_relay`` draining N preloaded outbox rows to a bound queue."""
+    settings = bench.names("e")
+    sink_name = f"{settings.queue}.sink"
+    await reset_tables(bench.engine)
+    try:
+        exchange = await bench.channel.declare_exchange(
+            settings.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        sink = await bench.channel.declare_queue(sink_name, durable=True)
+        await sink.bind(exchange, SETTLED)
+        started = time.perf_counter()
+        rows = outbox_messages(bench, settings.exchange)
+        while batch := list(itertools.islice(rows, OUTBOX_BATCH)):
+            async with bench.engine.begin() as conn:
+                await queries.append_outbox(conn, batch)
+        progress(
+            f"  preloaded {len(bench.plan.sends)} outbox rows "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
+
+        async with serving("relay", functools.partial(runner.run_relay, settings)) as (task, stats):
+
+            async def finished() -> bool:
+                return stats["relay_published"] >= len(bench.plan.sends)
+
+            timing = await timed(finished, bench.options.timeout, task)
+        delivered = await queue_depth(sink)
+    finally:
+        await delete_broker_objects(settings, [sink_name])
+    if delivered != len(bench.plan.sends):
+        bench.note("e", f"{delivered} events in the bound queue, expected {len(bench.plan.sends)}")
+    if odd := unusual(stats):
+        bench.note("e", f"{odd} (all stats: {dict(stats)})")
+    return timing
+
+
+async def bare_publish(bench: Bench) -> Timing:
+    """(e, baseline) The same events published with aio-pika: confirms, mandatory, pipelined."""
+    settings = bench.names("e-bare")
+    connection = await runner.connect_broker(settings, name="bench-e-bare")
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        exchange = await channel.declare_exchange(
+            settings.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        sink = await channel.declare_queue(settings.queue, durable=True)
+        await sink.bind(exchange, SETTLED)
+
+        def messages() -> Iterator[aio_pika.Message]:
+            for payment in bench.plan.sends:
+                key = str(payment["payment_id"])
+                yield aio_pika.Message(
+                    settled_body(payment),
+                    content_type="application/json",
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                    message_id=str(uuid.uuid4()),
+                    correlation_id=key,
+                    headers={"causation-id": key, "correlation-id": key},
+                )
+
+        watch = Stopwatch()
+        await publish_all(exchange, SETTLED, messages())
+        timing = watch.read()
+        delivered = await queue_depth(sink)
+    finally:
+        await connection.close()
+        await delete_broker_objects(settings)
+    if delivered != len(bench.plan.sends):
+        bench.note("bare", f"{delivered} in the bound queue, expected {len(bench.plan.sends)}")
+    return timing
+
+
+class CommitTimes(logging.Filter):
+    """Wall-clock time of each commit by key, from the consumer's after-commit debug records.
+
+    Passes on only the records at or above ``threshold`` (the logger's level before it was
+    lowered to DEBUG to produce these records).
+    """
+
+    def __init__(self, threshold: int) -> None:
+        super().__init__()
+        self.threshold = threshold
+        self.at: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if record.msg == AFTER_COMMIT_RECORD and isinstance(args, tuple) and len(args) > 1:
+            self.at.setdefault(str(args[1]), record.created)
+        return record.levelno >= self.threshold
+
+
+@contextlib.contextmanager
+def watching_commits() -> Iterator[CommitTimes]:
+    """``CommitTimes`` on the ``worker.consumer`` logger, at DEBUG level while it is open."""
+    logger = logging.getLogger("worker.consumer")
+    commits, level = CommitTimes(logger.getEffectiveLevel()), logger.level
+    logger.addFilter(commits)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield commits
+    finally:
+        logger.setLevel(level)
+        logger.removeFilter(commits)
+
+
+async def latency(bench: Bench) -> None:
+    """Publish-to-commit delays of the worker (relay off) under a steady offered load."""
+    settings = bench.names("latency", relay=False)
+    await reset_tables(bench.engine)
+    try:
+        await declare_topology(bench.channel, settings, payments_router.routing_keys())
+        with watching_commits() as commits:
+            offered = await offer_requests(bench, settings)
+    finally:
+        await delete_broker_objects(settings)
+    async with bench.engine.connect() as conn:
+        result = await conn.execute(text("SELECT key, created_at FROM inbox"))
+        began = {str(key): created.timestamp() for key, created in result}
+    sent = offered.sent
+    bench.latency = Latency(
+        len(sent),
+        bench.options.latency_rate,
+        offered.offered_seconds,
+        offered.handled_seconds,
+        [commits.at[key] - at for key, at in sent.items() if key in commits.at],
+        [began[key] - at for key, at in sent.items() if key in began],
+    )
+    if odd := unusual(offered.stats):
+        bench.note("latency", f"{odd} (all stats: {dict(offered.stats)})")
+
+
+@dataclass(frozen=True)
+class Offered:
+    """The counted requests' wall-clock publish times by key; how long offering them took, and
+    until the last was handled; the worker's stats."""
+
+    sent: dict[str, float]
+    offered_seconds: float
+    handled_seconds: float
+    stats: Counter[str]
+
+
+async def offer_requests(bench: Bench, settings: Settings) -> Offered:
+    """Run the worker; offer requests at the latency rate, first for ``LATENCY_WARM_UP``
+    seconds (not counted), then for ``--latency-seconds``, and wait until all are handled."""
+    rate = bench.options.latency_rate
+    numbers = itertools.count()
+    # no confirms: awaiting each one in turn would not keep the rate; all are checked handled
+    channel = await bench.connection.channel(publisher_confirms=False)
+    exchange = await channel.get_exchange(settings.exchange, ensure=False)
+
+    async def send() -> tuple[str, float]:
+        i = next(numbers)
+        payment = {
+            "payment_id": f"latency-{i}",
+            "account": f"account-{i % bench.options.accounts}",
+            "amount_cents": 100,
+        }
+        at = time.time()
+        await exchange.publish(request_message(payment, {PUBLISHED_AT_HEADER: at}), REQUESTED)
+        return str(payment["payment_id"]), at
+
+    try:
+        async with serving("worker", worker_service(settings)) as (task, stats):
+            warm_up = max(1, round(rate * LATENCY_WARM_UP))
+            await offer(warm_up, rate, send)
+            await timed(lambda: _at_least(stats, warm_up), bench.options.timeout, task)
+            count = max(1, round(rate * bench.options.latency_seconds))
+            watch = Stopwatch()
+            sent, offered_seconds = await offer(count, rate, send)
+            await timed(lambda: _at_least(stats, warm_up + count), bench.options.timeout, task)
+            handled_seconds = watch.elapsed
+    finally:
+        await channel.close()
+    return Offered(sent, offered_seconds, handled_seconds, stats)
+
+
+async def _at_least(stats: Counter[str], count: int) -> bool:
+    return handled(stats) >= count
+
+
+def peak_rss_kib() -> int:
+    """The process's peak resident set so far (``ru_maxrss``, KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+# Running and reporting
+
+Scenario = Callable[[Bench], Awaitable[Timing]]
+"""A timed scenario: returns the timing of its drain, notes what it found wrong."""
+
+TIMED: tuple[tuple[str, str, Scenario], ...] = (
+    ("a", "aio-pika consume+ack, no database", bare_consume),
+    ("b", "naive asyncpg, 1 tx per message", naive_consume),
+    ("c", "worker, relay off", worker_relay_off),
+    ("d", "worker + relay, events downstream", worker_with_relay),
+    ("e", "relay draining the outbox", relay_alone),
+    ("bare", "bare publish+confirm (aio-pika)", bare_publish),
+)
+"""In order; ``bare`` runs with ``e``."""
+
+
+async def run_scenarios(settings: Settings, options: Options) -> Bench:
+    """The selected scenarios in order, on one producer connection and one small engine."""
+    connection = await runner.connect_broker(settings, name="bench")
+    engine = create_engine(settings, application_name="bench", pool_size=2)
+    try:
+        channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+        plan = plan_payments(options.messages, options.duplicates, options.accounts, SEED)
+        bench = Bench(settings, options, uuid.uuid4().hex[:10], connection, channel, engine, plan)
+        for key, label, scenario in TIMED:
+            if ("e" if key == "bare" else key) not in options.only:
+                continue
+            progress(f"running ({key}) {label} ...")
+            timing: Timing | None = None
+            try:
+                timing = await scenario(bench)
+            except ScenarioTimeout as exc:
+                bench.note(key, f"{exc}: lower --messages (or raise --timeout)")
+            bench.runs.append(Run(key, label, len(plan.sends), timing))
+            progress(f"  {timing.seconds:.1f} s" if timing else "  timed out")
+        if "latency" in options.only:
+            progress(f"running latency at {options.latency_rate:g}/s ...")
+            try:
+                await latency(bench)
+            except ScenarioTimeout as exc:
+                bench.note("latency", str(exc))
+        return bench
+    finally:
+        await engine.dispose()
+        await connection.close()
+
+
+def run_in_scratch_database(options: Options) -> Bench:
+    """A fresh, migrated database for this run, the scenarios, then the cleanup."""
+    with scratch_database(Settings.load(), payments_router, prefix="worker_bench") as settings:
+        return asyncio.run(run_scenarios(settings, options))
+
+
+def report(bench: Bench, elapsed: float) -> str:
+    """The table, the ratios against their targets, latency, memory, then notes."""
+    options, settings = bench.options, bench.settings
+    lines = [
+        f"throughput, {options.messages} messages ({bench.repeats} duplicates, "
+        f"{options.accounts} accounts), prefetch {settings.prefetch}, concurrency "
+        f"{settings.concurrency}, cpu count {os.cpu_count()}",
+        f"{'scenario':<42}{'messages':>9}{'seconds':>9}{'msg/s':>9}{'cpu %':>7}",
+    ]
+    for run in bench.runs:
+        figures = f"{'-':>9}{'-':>9}{'-':>7}"
+        if run.timing is not None:
+            cpu = 100 * run.timing.cpu_seconds / run.timing.seconds
+            figures = f"{run.timing.seconds:>9.2f}{run.rate:>9.0f}{cpu:>7.0f}"
+        lines.append(f"{f'({run.key}) {run.label}':<42}{run.messages:>9}{figures}")
+    rates = {run.key: run.rate for run in bench.runs}
+    lines += ["", f"{'ratio':<8}{'value':>8}   {'target':<10}"]
+    for target in TARGETS:
+        top, bottom = rates.get(target.numerator), rates.get(target.denominator)
+        name = f"{target.numerator}/{target.denominator}"
+        wanted = f">= {target.at_least:.1f}x"
+        if top is None or bottom is None:
+            lines.append(f"{name:<8}{'-':>8}   {wanted:<10} not measured")
+            continue
+        ratio = top / bottom
+        verdict = "met" if ratio >= target.at_least else "missed"
+        lines.append(f"{name:<8}{ratio:>7.2f}x   {wanted:<10} {verdict}")
+    lines.append("")
+    lines += latency_lines(bench.latency)
+    if "after (c)" in bench.peak_rss_kib:
+        lines.append(
+            f"peak RSS after (c): {bench.peak_rss_kib['after (c)'] / 1024:.1f} MiB "
+            f"(before (c): {bench.peak_rss_kib['before (c)'] / 1024:.1f} MiB)"
+        )
+    lines.append(f"total {elapsed:.0f} s (scratch database, preloads and clean-up included)")
+    return "\n".join([*lines, *(["", *bench.notes] if bench.notes else [])])
+
+
+def latency_lines(result: Latency | None) -> list[str]:
+    if result is None:
+        return []
+    lines = [
+        f"latency at {result.rate:g} msg/s offered for {result.offered_seconds:.2f} s "
+        f"({result.count} messages; worker, relay off):"
+    ]
+    for label, delays in (
+        ("publish -> commit", result.to_commit),
+        ("publish -> transaction start (inbox.created_at)", result.to_transaction_start),
+    ):
+        ordered = sorted(1000 * s for s in delays)
+        if ordered:
+            p50, p99 = percentile(ordered, 50), percentile(ordered, 99)
+            figures = f"p50 {p50:6.1f} ms  p99 {p99:6.1f} ms  (n={len(ordered)})"
+        else:
+            figures = "n/a"
+        lines.append(f"  {label:<50}{figures}")
+    nominal = (result.count - 1) / result.rate
+    if result.offered_seconds > 1.05 * nominal + 0.1:
+        lines.append(
+            f"  the offered rate was not kept: offering took {result.offered_seconds:.1f} s, "
+            f"not {nominal:.1f} s (this event loop is shared with the worker)"
+        )
+    handled_rate = result.count / result.handled_seconds
+    if handled_rate < 0.95 * result.rate:
+        lines.append(
+            f"  the worker did not keep up: all {result.count} were handled after "
+            f"{result.handled_seconds:.1f} s ({handled_rate:.0f} msg/s), so the delays are mostly "
+            "queueing"
+        )
+    return lines
+
+
+def scenario_list(raw: str) -> tuple[str, ...]:
+    """``a,c,latency``: scenarios among ``SCENARIOS``."""
+    names = tuple(part.strip().lower() for part in raw.split(",") if part.strip())
+    wrong = [name for name in names if name not in SCENARIOS]
+    if wrong or not names:
+        raise argparse.ArgumentTypeError(f"choose among {','.join(SCENARIOS)}")
+    return names
+
+
+def fraction(raw: str) -> float:
+    value = float(raw)
+    if not 0 <= value < 1:
+        raise ValueError("must be at least 0 and below 1")
+    return value
+
+
+def parse_options(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.throughput",
+        description="Throughput of the worker against baselines, in one run.",
+    )
+    parser.add_argument(
+        "--messages", type=positive_int, help="messages per scenario (default 50000; 2000 --quick)"
+    )
+    parser.add_argument(
+        "--duplicates", type=fraction, default=0.1, help="share of repeated payments (0.1)"
+    )
+    parser.add_argument("--accounts", type=positive_int, default=1000, help="accounts (1000)")
+    parser.add_argument(
+        "--only", type=scenario_list, default=SCENARIOS, help=f"of {','.join(SCENARIOS)} (all)"
+    )
+    parser.add_argument(
+        "--latency-seconds", type=positive_float, help="seconds of offered load (5; 1 --quick)"
+    )
+    parser.add_argument(
+        "--latency-rate", type=positive_float, default=1000.0, help="offered msg/s (1000)"
+    )
+    parser.add_argument(
+        "--timeout",
+        type=positive_float,
+        help="seconds a scenario's drain may take (default: 120 + 20 ms per message)",
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 2000 messages")
+    args = parser.parse_args(argv)
+    messages = args.messages or (2000 if args.quick else 50_000)
+    return Options(
+        messages=messages,
+        duplicates=args.duplicates,
+        accounts=args.accounts,
+        only=args.only,
+        latency_seconds=args.latency_seconds or (1.0 if args.quick else 5.0),
+        latency_rate=args.latency_rate,
+        timeout=args.timeout or 120.0 + 0.02 * messages,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_options(argv)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    started = time.perf_counter()
+    bench = run_in_scratch_database(options)
+    print(report(bench, time.perf_counter() - started))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""A TCP proxy a test can cut: the worker talks to PostgreSQL through it, and ``down()`` makes
+the server unreachable (every connection dropped, new ones refused) until ``up()``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to ``target_host:target_port`` while up."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        self.target = (target_host, target_port)
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    async def up(self) -> None:
+        """Accept connections (on the same port as before, if there was one)."""
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def down(self) -> None:
+        """Refuse new connections and reset every open one."""
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for writer in list(self._writers):
+            writer.transport.abort()
+        for pipe in list(self._pipes):
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.transport.abort()
+            return
+        self._writers |= {writer, up_writer}
+        pipes = [
+            asyncio.create_task(self._pipe(reader, up_writer)),
+            asyncio.create_task(self._pipe(up_reader, writer)),
+        ]
+        self._pipes.update(pipes)
+        try:
+            await asyncio.wait(pipes, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pipe in pipes:
+                pipe.cancel()
+                self._pipes.discard(pipe)
+            for w in (writer, up_writer):
+                self._writers.discard(w)
+                w.transport.abort()
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+
+
+@contextlib.asynccontextmanager
+async def tcp_proxy(target_host: str, target_port: int) -> AsyncIterator[TcpProxy]:
+    proxy = TcpProxy(target_host, target_port)
+    await proxy.up()
+    try:
+        yield proxy
+    finally:
+        await proxy.down()

@@ -1,0 +1,368 @@
+"""Crash consistency with real ``worker run`` and ``worker relay`` processes and the payments
+example: SIGKILL at each crash point, and a soak under random kills, cut broker connections and
+terminated database backends. After a restart and a quiet moment the promise holds: each
+payment's effect exactly once, each settled event delivered downstream at least once, nothing
+left in the queue, no stuck inbox row, the outbox drained, nothing dead-lettered.
+
+Marked ``chaos``. By default the soak is a short one; ``CHAOS_MESSAGES=20000 ./scripts/test -m
+chaos -s`` runs the full soak and prints its figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+from aio_pika import Message
+from aio_pika.abc import AbstractQueue, AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.helpers import broker_depth, payment, rows, scalar, wait_until, worker_environ
+from tests.test_cli import WORKER_SCRIPT, run
+from tests.test_process import start_worker, wait_for_consumer
+from worker import faults
+from worker.settings import Settings
+
+pytestmark = [
+    pytest.mark.chaos,
+    pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl"),
+]
+
+PAYMENTS = {"WORKER_HANDLERS": "examples.payments"}
+
+
+@dataclass
+class Load:
+    """Payments to send, some of them more than once, and the balances they must produce."""
+
+    sends: list[dict[str, Any]]
+    unique: int
+    expected: dict[str, int]
+
+    @classmethod
+    def make(cls, count: int, duplicate_share: float = 0.2, seed: int = 5) -> Load:
+        rng = random.Random(seed)
+        unique_count = max(1, round(count * (1 - duplicate_share)))
+        unique = [
+            payment(f"c{seed}-{i}", f"acct-{rng.randrange(8)}", rng.randint(1, 999))
+            for i in range(unique_count)
+        ]
+        sends = unique + [rng.choice(unique) for _ in range(count - unique_count)]
+        rng.shuffle(sends)
+        expected: dict[str, int] = {}
+        for p in unique:
+            expected[p["account"]] = expected.get(p["account"], 0) + p["amount_cents"]
+        return cls(sends, unique_count, expected)
+
+
+async def publish_all(amqp: AbstractRobustConnection, settings: Settings, load: Load) -> int:
+    """Publish every send with confirms, retrying one whose confirm was lost (a cut connection):
+    a resend is just one more duplicate. Returns how many publishes were retried."""
+    retried = 0
+    channel = await amqp.channel(publisher_confirms=True)
+    for p in load.sends:
+        message = Message(json.dumps(p).encode(), headers={"idempotency-key": p["payment_id"]})
+        while True:
+            try:
+                if channel.is_closed:
+                    channel = await amqp.channel(publisher_confirms=True)
+                exchange = await channel.get_exchange(settings.exchange)
+                await exchange.publish(message, routing_key="payment.requested")
+                break
+            except Exception:
+                retried += 1
+                await asyncio.sleep(0.2)
+    return retried
+
+
+@contextlib.asynccontextmanager
+async def capture_queue(
+    amqp: AbstractRobustConnection, settings: Settings
+) -> AsyncIterator[AbstractQueue]:
+    """A downstream queue bound to ``payment.settled`` (durable: cut connections keep it)."""
+    channel = await amqp.channel()
+    queue = await channel.declare_queue(f"{settings.queue}.capture", durable=True)
+    await queue.bind(settings.exchange, "payment.settled")
+    try:
+        yield queue
+    finally:
+        cleanup = await amqp.channel()
+        await cleanup.queue_delete(f"{settings.queue}.capture")
+
+
+async def captured_payments(queue: AbstractQueue) -> dict[str, int]:
+    """How often each payment's ``payment.settled`` reached the downstream queue (drains it)."""
+    seen: dict[str, int] = {}
+    while (message := await queue.get(fail=False, no_ack=True)) is not None:
+        payment_id = json.loads(message.body)["payment_id"]
+        seen[payment_id] = seen.get(payment_id, 0) + 1
+    return seen
+
+
+class Processes:
+    """Worker and relay subprocesses of one test, restartable, all killed at the end."""
+
+    def __init__(self, settings: Settings, log_dir: Path) -> None:
+        self.settings = settings
+        self.log_dir = log_dir
+        self.running: dict[str, subprocess.Popen[bytes]] = {}
+        self.starts = 0
+
+    def start(self, name: str, command: str = "run", **env: str) -> subprocess.Popen[bytes]:
+        self.starts += 1
+        log = self.log_dir / f"{name}.log"
+        process = start_worker(self.settings, log, command, **PAYMENTS, **env)
+        self.running[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    async def wait_killed(self, name: str, timeout: float = 60) -> None:
+        process = self.running[name]
+        await asyncio.to_thread(process.wait, timeout)
+        assert process.returncode == -signal.SIGKILL, self.log(name)[-3000:]
+
+    async def stop_all(self) -> None:
+        for process in self.running.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for name, process in self.running.items():
+            await asyncio.to_thread(process.wait, 60)
+            assert process.returncode == 0, self.log(name)[-3000:]
+
+    def kill_all(self) -> None:
+        for process in self.running.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+@pytest.fixture
+def processes(settings: Settings, tmp_path: Path) -> Iterator[Processes]:
+    running = Processes(settings, tmp_path)
+    yield running
+    running.kill_all()
+
+
+async def wait_quiet(engine: AsyncEngine, settings: Settings, load: Load, timeout: float) -> None:
+    """Until every unique payment and its notice are committed, and outbox and queue are empty."""
+
+    async def quiet() -> bool:
+        done = await scalar(
+            engine,
+            "SELECT count(*) FROM inbox WHERE handler = 'payment.requested' "
+            "AND status = 'completed'",
+        )
+        notices = await scalar(engine, "SELECT count(*) FROM settlement_notices")
+        outbox = await scalar(engine, "SELECT count(*) FROM outbox")
+        return (
+            done == load.unique
+            and notices == load.unique
+            and outbox == 0
+            and await broker_depth(settings.queue) == 0
+        )
+
+    await wait_until(quiet, timeout=timeout, interval=0.5)
+
+
+async def assert_promise_kept(
+    engine: AsyncEngine, settings: Settings, load: Load, capture: AbstractQueue
+) -> dict[str, int]:
+    """The invariants; returns figures about the run."""
+    balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
+    assert balances == load.expected, "an effect was lost or applied twice"
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == load.unique
+    assert await scalar(engine, "SELECT count(*) FROM settlement_notices") == load.unique
+    stuck = await scalar(engine, "SELECT count(*) FROM inbox WHERE status <> 'completed'")
+    assert stuck == 0, "an inbox row is stuck in progress or failed"
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 0
+    assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
+    assert await broker_depth(settings.queue) == 0, "a message was left in the work queue"
+    assert await broker_depth(settings.dead_letter_queue) == 0, "a message was dead-lettered"
+    # the same invariants as an operator checks them on a deployment
+    expected = Path(tempfile.mkdtemp()) / "expected.json"
+    expected.write_text(json.dumps(load.expected))
+    verified = await asyncio.to_thread(
+        run,
+        WORKER_SCRIPT,
+        "verify",
+        "--quiet-queue",
+        "--no-dead-letters",
+        "--expect-balances",
+        str(expected),
+        **worker_environ(settings, **PAYMENTS),
+    )
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    seen = await captured_payments(capture)
+    ledger = {pid for (pid,) in await rows(engine, "SELECT payment_id FROM ledger_entries")}
+    missing = ledger - set(seen)
+    assert not missing, f"{len(missing)} settled events never reached the downstream queue"
+    return {
+        "payments": load.unique,
+        "sends": len(load.sends),
+        "settled_events_downstream": sum(seen.values()),
+        "settled_events_repeated": sum(n - 1 for n in seen.values()),
+    }
+
+
+CRASHES = [
+    pytest.param("worker", faults.CONSUMER_BEFORE_CLAIM + "@40", id="before-claim"),
+    pytest.param("worker", faults.UNIT_OF_WORK_BEFORE_COMMIT + "@40", id="inside-the-handler"),
+    pytest.param("worker", faults.CONSUMER_AFTER_COMMIT + "@40", id="after-commit-before-ack"),
+    pytest.param("relay", faults.RELAY_MID_BATCH + "@30", id="relay-mid-batch"),
+    pytest.param("relay", faults.RELAY_AFTER_PUBLISH + "@3", id="relay-after-publish"),
+    pytest.param("worker", faults.CONSUMER_DRAINING, id="during-shutdown"),
+]
+
+
+def test_every_fixed_crash_point_has_its_kill_test() -> None:
+    points = {param.values[1].partition("@")[0] for param in CRASHES}
+    assert points == set(faults.POINTS)
+
+
+@pytest.mark.parametrize(("victim", "crash_at"), CRASHES)
+async def test_a_kill_at_each_crash_point_then_a_restart_keeps_the_promise(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    processes: Processes,
+    victim: str,
+    crash_at: str,
+) -> None:
+    load = Load.make(300)
+    crash = {"WORKER_CRASH_AT": crash_at}
+    # Given a worker (its relay off) and a relay, one of them armed to crash
+    processes.start("worker", WORKER_RELAY="false", **(crash if victim == "worker" else {}))
+    processes.start("relay", "relay", **(crash if victim == "relay" else {}))
+    await wait_for_consumer(amqp, settings.queue)
+    async with capture_queue(amqp, settings) as capture:
+        # When a burst arrives and the armed process dies at the crash point
+        await publish_all(amqp, settings, load)
+        if crash_at == faults.CONSUMER_DRAINING:
+
+            async def under_way() -> bool:
+                return int(await scalar(engine, "SELECT count(*) FROM inbox")) >= 20
+
+            await wait_until(under_way)
+            processes.running["worker"].send_signal(signal.SIGTERM)
+        await processes.wait_killed(victim)
+
+        # And it is started again
+        if victim == "worker":
+            processes.start("worker", WORKER_RELAY="false")
+        else:
+            processes.start("relay", "relay")
+        await wait_quiet(engine, settings, load, timeout=90)
+        await processes.stop_all()
+
+        # Then the promise holds
+        await assert_promise_kept(engine, settings, load, capture)
+
+
+CHAOS_MESSAGES = int(os.environ.get("CHAOS_MESSAGES", "1500"))
+
+
+@dataclass
+class Chaos:
+    """Faults a driver injects at random while the load runs, and how many of each."""
+
+    rng: random.Random = field(default_factory=lambda: random.Random(23))
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def count(self, fault: str) -> None:
+        self.counts[fault] = self.counts.get(fault, 0) + 1
+
+
+async def drive_chaos(
+    processes: Processes, stop: asyncio.Event, chaos: Chaos, database_url: str
+) -> None:
+    """Every 0.5 to 2 s: SIGKILL and restart a worker or a relay, cut every broker connection, or
+    terminate the workers' database backends."""
+    admin = await asyncpg.connect(database_url)
+    try:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), chaos.rng.uniform(0.5, 2.0))
+            if stop.is_set():
+                return
+            fault = chaos.rng.choice(["kill", "kill", "close_connections", "terminate_backends"])
+            if fault == "kill":
+                name = chaos.rng.choice(sorted(processes.running))
+                processes.running[name].kill()
+                await asyncio.to_thread(processes.running[name].wait, 30)
+                command = "relay" if name.startswith("relay") else "run"
+                processes.start(name, command)
+                chaos.count(f"sigkill {name.rstrip('0123456789')}")
+            elif fault == "close_connections":
+                await asyncio.to_thread(
+                    subprocess.run,
+                    ["rabbitmqctl", "-q", "close_all_connections", "chaos"],
+                    check=False,
+                    capture_output=True,
+                )
+                chaos.count("broker connections closed")
+            else:
+                await admin.fetchval(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name IN ('worker', 'worker-relay') "
+                    "AND datname = current_database()"
+                )
+                chaos.count("database backends terminated")
+    finally:
+        await admin.close()
+
+
+async def test_a_soak_under_random_faults_keeps_the_promise(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    processes: Processes,
+) -> None:
+    load = Load.make(CHAOS_MESSAGES, duplicate_share=0.2, seed=7)
+    chaos = Chaos()
+    started = time.monotonic()
+    # Given two workers (with their in-process relays) and two relays
+    for name in ("worker1", "worker2"):
+        processes.start(name)
+    for name in ("relay1", "relay2"):
+        processes.start(name, "relay")
+    await wait_for_consumer(amqp, settings.queue)
+    async with capture_queue(amqp, settings) as capture:
+        # When the load runs while a driver kills, cuts and terminates at random
+        stop = asyncio.Event()
+        driver = asyncio.create_task(drive_chaos(processes, stop, chaos, settings.database_url))
+        resent = await publish_all(amqp, settings, load)
+
+        async def half_done() -> bool:
+            done = await scalar(engine, "SELECT count(*) FROM settlement_notices")
+            return int(done) >= load.unique // 2
+
+        await wait_until(half_done, timeout=600, interval=0.5)
+        stop.set()
+        await driver
+
+        # Then, once it is quiet, every invariant holds
+        await wait_quiet(engine, settings, load, timeout=300)
+        await processes.stop_all()
+        figures = await assert_promise_kept(engine, settings, load, capture)
+    figures.update(chaos.counts)
+    figures["publishes_resent_after_a_cut"] = resent
+    figures["process_starts"] = processes.starts
+    figures["seconds"] = round(time.monotonic() - started)
+    print("\nsoak figures:", json.dumps(figures, sort_keys=True))
+    assert sum(chaos.counts.values()) >= 1

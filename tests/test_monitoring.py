@@ -1,0 +1,88 @@
+"""``/healthz`` and ``/metrics`` of a running worker, against the real services."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import urllib.error
+import urllib.request
+
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from examples.payments import router as payments
+from tests.conftest import running_worker
+from tests.helpers import payment
+from tests.test_consumer import publish
+from tests.test_failures import settled
+from worker.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def get(url: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+async def test_a_running_worker_reports_health_and_counts_by_handler(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    port = free_port()
+    settings = settings.replace(http_host="127.0.0.1", http_port=port)
+    async with running_worker(settings, payments) as worker:
+        channel = await amqp.channel(publisher_confirms=True)
+        await publish(channel, settings, payment("p-m1"), key="p-m1")
+        await publish(channel, settings, payment("p-m1"), key="p-m1")
+        await publish(channel, settings, {"payment_id": "bad"}, key="p-bad")
+        await settled(worker, processed=1, duplicate=1, dead_lettered=1)
+
+        status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/healthz")
+        assert status == 200, body
+        assert json.loads(body) == {
+            "status": "ok",
+            "database": True,
+            "broker": True,
+            "consuming": True,
+        }
+
+        status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")
+        text = body.decode()
+        assert status == 200
+        assert 'worker_messages_total{handler="payment.requested",outcome="processed"} 1.0' in text
+        assert 'worker_messages_total{handler="payment.requested",outcome="duplicate"} 1.0' in text
+        assert 'worker_dead_letters_total{handler="payment.requested",reason="invalid"} 1.0' in text
+        assert 'worker_transaction_seconds_count{handler="payment.requested"}' in text
+    # the endpoint closes with the worker
+    status, _ = await asyncio.to_thread(get_or_refused, f"http://127.0.0.1:{port}/healthz")
+    assert status == 0
+
+
+def get_or_refused(url: str) -> tuple[int, bytes]:
+    try:
+        return get(url)
+    except urllib.error.URLError:
+        return 0, b""
+
+
+async def test_worker_health_answers_for_the_local_process(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    from tests.test_cli import WORKER_SCRIPT, run
+
+    port = free_port()
+    async with running_worker(settings.replace(http_host="127.0.0.1", http_port=port), payments):
+        healthy = await asyncio.to_thread(run, WORKER_SCRIPT, "health", WORKER_HTTP_PORT=str(port))
+    assert healthy.returncode == 0, healthy.stderr
+    assert json.loads(healthy.stdout)["status"] == "ok"
+    gone = await asyncio.to_thread(run, WORKER_SCRIPT, "health", WORKER_HTTP_PORT=str(port))
+    assert gone.returncode == 1
+    assert "no answer" in gone.stderr

@@ -1,0 +1,276 @@
+"""What ``worker status`` and ``worker outbox`` show and do, for a person at a terminal.
+
+Looking never changes anything: ``status`` reads the database in one read-only snapshot and asks
+the broker about the worker's queues with passive declares only, so a queue no worker has
+declared yet is reported missing, never created; ``parked_outbox`` leaves the rows parked. The
+one write is ``retry_parked_outbox``: in one transaction it moves rows from ``outbox_parked``
+back into ``outbox`` under their own ``message_id``, so a consumer that already got a copy
+deduplicates the next one. Each part of ``status`` fails on its own: an unreachable PostgreSQL
+still leaves the broker's part, and the reverse.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, TypeVar
+
+import aio_pika
+from aio_pika.abc import AbstractConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from worker import queries
+from worker.database import create_engine
+from worker.logs import redact_text
+from worker.settings import Settings, format_duration, redact
+from worker.tables import INBOX_STATUSES
+
+STATUS_TIMEOUT = 10.0
+"""Seconds each part of ``status`` (database, broker) may take before it counts as unreachable."""
+
+APPLICATION_NAME = "worker-admin"
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class QueueStatus:
+    """One of the worker's queues as the broker reports it on a passive declare.
+
+    ``messages`` counts the ready messages, not those delivered and unacked, and can lag behind
+    messages just returned to the queue; both counts are None when the queue does not exist.
+    """
+
+    role: str
+    name: str
+    exists: bool
+    messages: int | None
+    consumers: int | None
+
+
+@dataclass(frozen=True)
+class OutboxStatus:
+    """Rows waiting to be published, the age of the oldest (None when there is none), how many
+    of them back off after a failed publish, and the rows parked in ``outbox_parked``."""
+
+    backlog: int
+    oldest_age_seconds: float | None
+    waiting_for_retry: int
+    parked: int
+
+
+@dataclass(frozen=True)
+class WorkflowStatus:
+    """Workflows in progress, and the one least recently advanced (``worker workflows`` lists it
+    first): the likeliest to be stuck."""
+
+    in_progress: int
+    oldest: queries.WorkflowState | None
+
+
+@dataclass(frozen=True)
+class DatabaseStatus:
+    """The outbox, inbox keys by status and workflows, read in one snapshot."""
+
+    outbox: OutboxStatus
+    inbox: dict[str, int]
+    workflows: WorkflowStatus
+
+
+@dataclass(frozen=True)
+class Status:
+    """``worker status``: a part is None when its service could not be read, and ``errors``
+    then says why, by part (``database``, ``broker``)."""
+
+    queues: list[QueueStatus] | None
+    database: DatabaseStatus | None
+    errors: dict[str, str]
+
+
+def worker_queues(settings: Settings) -> list[tuple[str, str]]:
+    """(role, name) of the work queue, the dead-letter queue and each delayed-retry queue."""
+    return [
+        ("work", settings.queue),
+        ("dead letters", settings.dead_letter_queue),
+        *(
+            (f"retry {format_duration(delay)}", settings.retry_queue(delay))
+            for delay in settings.retry_delays
+        ),
+    ]
+
+
+async def queue_status(connection: AbstractConnection, settings: Settings) -> list[QueueStatus]:
+    """Message and consumer counts of the worker's queues, by passive declares.
+
+    A passive declare of a missing queue closes its channel, so each queue gets its own.
+    """
+    result: list[QueueStatus] = []
+    for role, name in worker_queues(settings):
+        channel = await connection.channel()
+        try:
+            queue = await channel.declare_queue(name, passive=True)
+        except ChannelNotFoundEntity:
+            result.append(QueueStatus(role, name, exists=False, messages=None, consumers=None))
+            continue
+        finally:
+            if not channel.is_closed:
+                await channel.close()
+        declared = queue.declaration_result
+        result.append(
+            QueueStatus(
+                role,
+                name,
+                exists=True,
+                messages=declared.message_count,
+                consumers=declared.consumer_count,
+            )
+        )
+    return result
+
+
+async def database_status(engine: AsyncEngine) -> DatabaseStatus:
+    """The outbox, the inbox and the workflows in one read-only ``REPEATABLE READ`` snapshot,
+    so the numbers agree with each other and ages are measured against one ``now()``."""
+    snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+    async with snapshot.begin() as conn:
+        stats = await queries.outbox_stats(conn)
+        inbox = dict.fromkeys(INBOX_STATUSES, 0) | await queries.inbox_counts(conn)
+        oldest = await queries.in_progress_workflows(conn, 1)
+    return DatabaseStatus(
+        outbox=OutboxStatus(
+            backlog=stats.backlog,
+            oldest_age_seconds=stats.oldest_age_seconds if stats.backlog else None,
+            waiting_for_retry=stats.waiting_for_retry,
+            parked=stats.parked,
+        ),
+        inbox=inbox,
+        # Between steps a workflow's key is the only committed in_progress inbox row there is.
+        workflows=WorkflowStatus(inbox["in_progress"], oldest[0] if oldest else None),
+    )
+
+
+async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -> Status:
+    """Read the database and the broker at the same time, each within ``answer_within`` seconds."""
+
+    async def read_database() -> DatabaseStatus:
+        return await _with_engine(settings, database_status)
+
+    async def read_broker() -> list[QueueStatus]:
+        connection = await aio_pika.connect(
+            settings.amqp_url,
+            timeout=answer_within,
+            client_properties={"connection_name": APPLICATION_NAME},
+        )
+        async with connection:
+            return await queue_status(connection, settings)
+
+    errors: dict[str, str] = {}
+    database, queues = await asyncio.gather(
+        _part(
+            read_database(),
+            answer_within,
+            errors,
+            "database",
+            f"cannot read PostgreSQL at {redact(settings.database_url)}",
+        ),
+        _part(
+            read_broker(),
+            answer_within,
+            errors,
+            "broker",
+            f"cannot read RabbitMQ at {redact(settings.amqp_url)}",
+        ),
+    )
+    return Status(queues=queues, database=database, errors=errors)
+
+
+async def _part(
+    read: Awaitable[_T], answer_within: float, errors: dict[str, str], part: str, failure: str
+) -> _T | None:
+    """``read``'s result, or None with ``failure`` and the cause recorded in ``errors[part]``."""
+    try:
+        async with asyncio.timeout(answer_within):
+            return await read
+    except TimeoutError:
+        errors[part] = f"{failure}: no answer within {format_duration(answer_within)}"
+    except Exception as exc:
+        errors[part] = redact_text(f"{failure}: {_cause(exc)}")
+    return None
+
+
+def _cause(exc: Exception) -> str:
+    """The exception's type and text; for a database error, the driver's (without the SQL)."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        driver = exc.orig.__cause__ or exc.orig
+        return f"{type(driver).__name__}: {exc.orig}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def parked_outbox(settings: Settings, *, limit: int) -> list[queries.ParkedOutboxRow]:
+    """Up to ``limit`` parked outbox rows, parked longest first; they stay parked."""
+
+    async def read(engine: AsyncEngine) -> list[queries.ParkedOutboxRow]:
+        async with engine.connect() as conn:
+            return await queries.parked_outbox(conn, limit)
+
+    return await _with_engine(settings, read)
+
+
+@dataclass(frozen=True)
+class Retried:
+    """Rows moved back into the outbox, and the requested ids that were not parked."""
+
+    rows: list[queries.RetriedOutboxRow]
+    not_parked: list[int]
+
+
+async def retry_parked_outbox(settings: Settings, ids: Sequence[int] | None) -> Retried:
+    """Move the parked rows with ``ids`` (all of them when None) back into the outbox, in one
+    transaction, so a relay publishes them again under their own ``message_id``.
+
+    Each row restarts with 0 attempts and keeps its ``last_error`` until a new failure replaces
+    it. It gets a new outbox id: a row with an ordering key is published after the rows of its
+    key emitted before this commit, not in its original place. Relays are woken at commit
+    (unless ``outbox_notify`` is off; they poll anyway).
+    """
+
+    async def move(engine: AsyncEngine) -> list[queries.RetriedOutboxRow]:
+        async with engine.begin() as conn:
+            return await queries.retry_parked_outbox(conn, ids, notify=settings.outbox_notify)
+
+    rows = await _with_engine(settings, move)
+    moved = {row.parked_id for row in rows}
+    return Retried(rows, sorted({i for i in ids or () if i not in moved}))
+
+
+async def _with_engine(settings: Settings, use: Callable[[AsyncEngine], Awaitable[_T]]) -> _T:
+    """``use`` a one-connection engine, disposed of afterwards."""
+    engine = create_engine(settings, application_name=APPLICATION_NAME, pool_size=1)
+    try:
+        return await use(engine)
+    finally:
+        await engine.dispose()
+
+
+def to_json(value: Any) -> str:
+    """One line of JSON for a result of this module (dataclasses, datetimes as ISO 8601)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    return json.dumps(value, default=_json_default)
+
+
+def _json_default(value: object) -> Any:
+    if isinstance(value, datetime):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -1,0 +1,101 @@
+"""How the worker waits and retries: every backoff policy, and waiting for the first of several.
+
+All retries go through tenacity with jittered exponential backoff and retry only what
+``errors.is_transient`` calls transient; a policy bound to a stop event stops waiting at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable
+from typing import Any
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    before_sleep_log,
+    retry_if_exception,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+    wait_random,
+)
+
+from worker.errors import is_transient
+
+log = logging.getLogger("worker")
+
+STARTUP_TIMEOUT = 60.0
+"""Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts.
+
+Each policy logs its retries on ``logger``, the caller's, so a warning names who is retrying."""
+
+
+def while_starting(logger: logging.Logger = log) -> AsyncRetrying:
+    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up."""
+    return AsyncRetrying(
+        stop=stop_after_delay(STARTUP_TIMEOUT),
+        wait=wait_exponential(multiplier=0.2, max=5),
+        retry=retry_if_exception(is_transient),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        reraise=True,
+    )
+
+
+def in_process(attempts: int, logger: logging.Logger = log) -> AsyncRetrying:
+    """Up to ``attempts`` tries of a transiently failing unit of work, 0.1 s apart, doubling."""
+    return AsyncRetrying(
+        stop=stop_after_attempt(attempts),
+        wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
+        retry=retry_if_exception(is_transient),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        reraise=True,
+    )
+
+
+def until_stopped(
+    stop: asyncio.Event,
+    *,
+    initial: float = 0.2,
+    maximum: float = 10.0,
+    logger: logging.Logger = log,
+) -> AsyncRetrying:
+    """Retries without a limit until ``stop`` is set; a wait ends early when it is."""
+
+    def stopping(_: RetryCallState) -> bool:
+        return stop.is_set()
+
+    async def sleep(seconds: float) -> None:
+        await first(stop.wait(), within=seconds)
+
+    return AsyncRetrying(
+        stop=stopping,
+        wait=wait_exponential(multiplier=initial, max=maximum) + wait_random(0, initial),
+        retry=retry_if_exception(is_transient),
+        before_sleep=before_sleep_log(logger, logging.WARNING),
+        sleep=sleep,
+        reraise=True,
+    )
+
+
+async def first(
+    *awaitables: Awaitable[Any],
+    within: float | None = None,
+    on_timeout: BaseException | None = None,
+) -> None:
+    """Wait until the first of ``awaitables`` finishes (re-raising its error) or ``within`` seconds.
+
+    The others are cancelled. When time runs out, ``on_timeout`` is raised if given.
+    """
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        done, _ = await asyncio.wait(tasks, timeout=within, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    for task in done:
+        task.result()
+    if not done and on_timeout is not None:
+        raise on_timeout

@@ -1,0 +1,141 @@
+"""The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``.
+
+One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
+finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own
+short transaction, oldest first, skipping (``SKIP LOCKED``) rows a consumer holds, so consumers
+never wait behind a sweep for long. ``in_progress`` keys are never deleted here.
+
+Retention must outlast redelivery, the delayed retries and any replay from the dead-letter queue:
+once a key is deleted, a late copy of its message is new again and applies its effect a second
+time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from worker import queries
+from worker.backoff import first
+from worker.errors import is_transient
+from worker.metrics import Metrics
+from worker.settings import Settings, format_duration
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """What one sweep did: ``deleted`` keys in total, in ``batches`` transactions that deleted at
+    least one key each (the closing transaction that found fewer than a batch, maybe none, counts
+    only if it deleted something)."""
+
+    deleted: int
+    batches: int
+
+
+async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
+    """Delete every expired key, a batch per transaction; None if another instance is sweeping.
+
+    The janitor lock is held, on one connection, from before the first batch to after the last
+    and is released before the connection goes back to the pool (or the connection is closed).
+    """
+    async with engine.connect() as conn:
+        locked = False
+        try:
+            async with conn.begin():
+                locked = await queries.try_lock_janitor(conn)
+            if not locked:
+                return None
+            deleted = batches = 0
+            while True:
+                async with conn.begin():
+                    count = await queries.delete_expired_keys(
+                        conn,
+                        retention=settings.inbox_retention,
+                        limit=settings.janitor_batch_size,
+                    )
+                deleted += count
+                if count:
+                    batches += 1
+                if count < settings.janitor_batch_size:
+                    return Sweep(deleted, batches)
+        finally:
+            if locked:
+                await _unlock(conn)
+
+
+async def _unlock(conn: AsyncConnection) -> None:
+    """Release the janitor lock, or close the connection so that the lock cannot outlive it.
+
+    A connection that already died took its lock with it. A failure to release is logged, not
+    raised, so that it cannot hide the error that ended the sweep.
+    """
+    if conn.invalidated:
+        return
+    try:
+        async with conn.begin():
+            await queries.unlock_janitor(conn)
+    except BaseException as exc:
+        await conn.invalidate(exc)
+        if not isinstance(exc, Exception):
+            raise
+        log.warning("could not release the janitor lock; closed its connection: %r", exc)
+
+
+class Janitor:
+    """Sweeps expired inbox keys every ``janitor_interval`` until stopped.
+
+    ``stats`` counts ``inbox_expired``, the keys it deleted.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        engine: AsyncEngine,
+        stats: Counter[str] | None = None,
+        metrics: Metrics | None = None,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.stats: Counter[str] = Counter() if stats is None else stats
+        self.metrics = Metrics() if metrics is None else metrics
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sweep now and then every interval until ``stop`` is set.
+
+        A transient failure is logged and the next sweep waits for the next interval; any other
+        error is raised.
+        """
+        log.info(
+            "expiring inbox keys after %s, every %s",
+            format_duration(self.settings.inbox_retention),
+            format_duration(self.settings.janitor_interval),
+        )
+        while not stop.is_set():
+            try:
+                await self.sweep()
+            except Exception as exc:
+                if not is_transient(exc):
+                    raise
+                log.warning(
+                    "inbox sweep failed, next in %s: %r",
+                    format_duration(self.settings.janitor_interval),
+                    exc,
+                )
+            await first(stop.wait(), within=self.settings.janitor_interval)
+
+    async def sweep(self) -> Sweep | None:
+        """One sweep, counted and logged."""
+        result = await sweep(self.engine, self.settings)
+        if result is None:
+            log.debug("another instance is sweeping the inbox")
+        elif result.deleted:
+            self.stats["inbox_expired"] += result.deleted
+            self.metrics.expired(result.deleted)
+            log.info("deleted %d expired inbox keys in %d batches", result.deleted, result.batches)
+        return result
