@@ -87,6 +87,16 @@ async def send_job(channel: AbstractChannel, settings: Settings, key: str, n: in
     await publish(channel, settings, {"n": n}, key=key, routing_key=ROUTING_KEY)
 
 
+async def park_one_by_one(
+    channel: AbstractChannel, settings: Settings, worker: RunningWorker, keys: list[str]
+) -> None:
+    """Send a job per key, each after the previous one was parked by the script's "bug": the
+    script counts handler calls, and a batch that fails runs its handlers again one by one."""
+    for parked, key in enumerate(keys, start=1):
+        await send_job(channel, settings, key, n=parked)
+        await settled(worker, dead_lettered=parked)
+
+
 async def inbox(engine: AsyncEngine, key: str) -> Any:
     found = await rows(
         engine, "SELECT status, error, attempts FROM inbox WHERE key = :key", key=key
@@ -212,9 +222,7 @@ async def test_dlq_list_shows_the_parked_messages_and_replay_runs_each_once(
     script = Script("bug", "bug")
     async with running_worker(settings, scripted_router(script)) as worker:
         channel = await amqp.channel(publisher_confirms=True)
-        await send_job(channel, settings, "k-a", n=1)
-        await send_job(channel, settings, "k-b", n=2)
-        await settled(worker, dead_lettered=2)
+        await park_one_by_one(channel, settings, worker, ["k-a", "k-b"])
 
         # When the operator lists them
         listed = await dlq.list_parked(amqp, settings)
@@ -383,9 +391,7 @@ async def test_worker_dlq_list_and_replay_from_the_command_line(
     env = worker_environ(settings)
     async with running_worker(settings, scripted_router(script)) as worker:
         channel = await amqp.channel(publisher_confirms=True)
-        await send_job(channel, settings, "k-cli-1")
-        await send_job(channel, settings, "k-cli-2")
-        await settled(worker, dead_lettered=2)
+        await park_one_by_one(channel, settings, worker, ["k-cli-1", "k-cli-2"])
 
         listed = await asyncio.to_thread(run, WORKER_SCRIPT, "dlq", "list", **env)
         assert listed.returncode == 0, listed.stderr

@@ -1,6 +1,6 @@
 """worker: an asyncio RabbitMQ worker with exactly-once effects in PostgreSQL and an outbox."""
 
-from worker.context import Context, OutboxMessage
+from worker.context import Batch, Context, OutboxMessage
 from worker.envelope import Delivery
 from worker.errors import Permanent, Rejected, Retryable, WorkerError
 from worker.router import Handler, Router
@@ -8,6 +8,7 @@ from worker.settings import Settings
 from worker.workflows import Workflow, WorkflowBusy
 
 __all__ = [
+    "Batch",
     "Context",
     "Delivery",
     "Handler",

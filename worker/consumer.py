@@ -1,8 +1,12 @@
 """The consumer: deliveries in, units of work, acks out — an ack only ever after a commit.
 
-Each delivery is checked (``open_envelope``), processed in one transaction (``unit_of_work``)
-and then acked. Every failure ends in exactly one place, and the delivery is acked only after
-the broker confirmed the copy it was turned into:
+Deliveries are taken in micro-batches: ``concurrency`` takers each take up to ``batch_size`` of
+the deliveries that arrived (waiting ``batch_linger`` for more when there are fewer), check them
+(``open_envelope``), process them in one transaction (``unit_of_work.process_batch``) and ack
+them after its commit, with one multiple-ack where that is safe (``acks``). A batch that fails
+in any way is redone one delivery per transaction, so only the failing delivery takes the
+failure path. Every failure ends in exactly one place, and the delivery is acked only after the
+broker confirmed the copy it was turned into:
 
 - transient (``errors.is_transient``): retried in-process ``transient_attempts`` times with
   backoff; then sent to the next delayed-retry queue with its attempt count; after the last one,
@@ -18,12 +22,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import backoff, database, dead_letters, logs, queries, tracing, workflows
+from worker import backoff, database, dead_letters, logs, queries, tracing, unit_of_work, workflows
+from worker.acks import Settlements
 from worker.backoff import first
 from worker.dead_letters import Failure
 from worker.envelope import ROUTING_KEY_HEADER, Delivery, Envelope, open_envelope
@@ -69,11 +74,13 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
 
 
 class Consumer:
-    """Consumes the work queue on one channel, ``concurrency`` units of work at a time.
+    """Consumes the work queue on one channel, ``concurrency`` transactions at a time.
 
     ``stats`` counts outcomes: ``processed``, ``duplicate``, ``duplicate_of_failed``,
     ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued`` and
-    ``paused`` (times consumption paused for a database outage).
+    ``paused`` (times consumption paused for a database outage); and for batches: ``batches``
+    (transactions of several deliveries), ``multiple_acks`` and ``batch_retried_alone``
+    (batches that failed and were redone one message per transaction).
     """
 
     def __init__(
@@ -93,7 +100,10 @@ class Consumer:
         self.engine = engine
         self.connection = connection
         self.stats: Counter[str] = Counter() if stats is None else stats
-        self._slots = asyncio.Semaphore(settings.concurrency)
+        self.settlements = Settlements()
+        self._pending: list[AbstractIncomingMessage] = []
+        self._arrived = asyncio.Event()
+        self._takers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
         self._channel: AbstractChannel | None = None
         self._topology: Topology | None = None
@@ -123,15 +133,25 @@ class Consumer:
         self._topology = await declare_topology(
             self._channel, self.settings, self.router.routing_keys()
         )
+        for _ in range(self.settings.concurrency):
+            taker = asyncio.create_task(self._take())
+            taker.add_done_callback(self._taker_ended)
+            self._takers.append(taker)
         await self._consume()
         log.info(
-            "consuming queue %r (routing keys: %s; prefetch %d, concurrency %d)",
+            "consuming queue %r (routing keys: %s; prefetch %d, concurrency %d, batch size %d)",
             self.settings.queue,
             ", ".join(self.router.routing_keys()) or "none",
             self.settings.prefetch,
             self.settings.concurrency,
+            self.batch_size,
         )
         return self._topology
+
+    @property
+    def batch_size(self) -> int:
+        """Most deliveries one transaction takes: the setting, bounded by the prefetch."""
+        return min(self.settings.batch_size, self.settings.prefetch)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop taking deliveries, let the ones in flight commit and ack, then close the channel.
@@ -141,6 +161,7 @@ class Consumer:
         that never started go back to the queue when the channel closes.
         """
         self._stopping.set()
+        self._arrived.set()  # takers see the stop and take nothing more
         if self._resuming is not None:
             await asyncio.gather(self._resuming, return_exceptions=True)
         await self._cancel()
@@ -156,8 +177,11 @@ class Consumer:
                 for task in late:
                     task.cancel()
                 await asyncio.gather(*late, return_exceptions=True)
+        for taker in self._takers:
+            taker.cancel()
+        await asyncio.gather(*self._takers, return_exceptions=True)
         if self._channel is not None and not self._channel.is_closed:
-            await self._channel.close()
+            await self._channel.close()  # deliveries never taken go back to the queue
 
     async def run(self, stop: asyncio.Event) -> None:
         """Return when ``stop`` is set; raise if consuming failed for good meanwhile (a pause
@@ -177,18 +201,132 @@ class Consumer:
                 log.debug("cancelling the consumer failed", exc_info=True)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        # aiormq runs this callback in a task of the channel, and cancels that task when the
-        # channel or its connection closes. The delivery is handled in a task of the worker's
-        # own, so a lost connection never cancels an open transaction: it commits, its ack
-        # fails on the dead channel, and the broker's redelivery is recognised as a duplicate.
-        task = asyncio.create_task(self._handle_in_turn(message))
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
-        await asyncio.shield(task)
+        self.settlements.received(message)
+        self._pending.append(message)
+        self._arrived.set()
 
-    async def _handle_in_turn(self, message: AbstractIncomingMessage) -> None:
-        async with self._slots:
-            await self.handle(message)
+    async def _take(self) -> None:
+        """One of ``concurrency`` takers: when free, take up to a batch of the deliveries that
+        arrived (after waiting ``batch_linger`` for more if there are fewer) and handle them.
+
+        A batch runs in a task of the worker's own, shielded: a lost broker connection never
+        cancels an open transaction; it commits, its acks fail on the dead channel, and the
+        broker's redeliveries are recognised as duplicates.
+        """
+        size, linger = self.batch_size, self.settings.batch_linger
+        while True:
+            await self._arrived.wait()
+            if len(self._pending) < size and linger and not self._stopping.is_set():
+                await asyncio.sleep(linger)
+            if self._stopping.is_set():
+                return
+            batch, self._pending[:size] = self._pending[:size], []
+            if not self._pending:
+                self._arrived.clear()
+            if not batch:
+                continue
+            task = asyncio.create_task(self.handle_batch(batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            await asyncio.shield(task)
+
+    def _taker_ended(self, taker: asyncio.Task[None]) -> None:
+        if not taker.cancelled() and taker.exception() is not None:
+            log.error("a consumer task died", exc_info=taker.exception())
+            if not self._failure.done():
+                self._failure.set_exception(taker.exception())  # type: ignore[arg-type]
+
+    async def handle_batch(self, messages: list[AbstractIncomingMessage]) -> None:
+        """Process deliveries to their end, those that can share one in one transaction.
+
+        A delivery whose checks fail is parked at once; a workflow's runs alone. The others are
+        processed together (``unit_of_work.process_batch``) and acked after its commit. If the
+        batch fails in any way, each of its deliveries is processed again in a transaction of
+        its own, so only the failing one takes the failure path.
+        """
+        if self.paused or len(messages) == 1:
+            for message in messages:
+                await self.handle(message)
+            return
+        together: list[tuple[AbstractIncomingMessage, Envelope]] = []
+        for message in messages:
+            delivery = delivery_from_amqp(message)
+            try:
+                envelope = open_envelope(
+                    delivery, self.router, max_body_bytes=self.settings.max_body_bytes
+                )
+            except Rejected as exc:
+                with logs.message_context(delivery):
+                    await self._failed(message, delivery, None, exc)
+                continue
+            if envelope.handler.workflow:
+                await self.handle(message)
+            else:
+                together.append((message, envelope))
+        if len(together) == 1:
+            await self.handle(together[0][0])
+        elif together:
+            await self._process_together(together)
+
+    async def _process_together(
+        self, together: list[tuple[AbstractIncomingMessage, Envelope]]
+    ) -> None:
+        envelopes = [envelope for _, envelope in together]
+        handlers = {envelope.handler.name for envelope in envelopes}
+        try:
+            crash_point(CONSUMER_BEFORE_CLAIM)
+            with (
+                tracing.span(
+                    f"{self.settings.queue} process",
+                    {
+                        "messaging.system": "rabbitmq",
+                        "messaging.batch.message_count": len(envelopes),
+                        "worker.handler": ",".join(sorted(handlers)),
+                    },
+                ),
+                self.metrics.transaction(handlers.pop() if len(handlers) == 1 else None),
+            ):
+                ends = await unit_of_work.process_batch(
+                    self.engine,
+                    envelopes,
+                    default_exchange=self.settings.exchange,
+                    notify=self.settings.outbox_notify,
+                    on_events=self.on_events,
+                )
+        except Exception as exc:
+            log.info(
+                "a batch of %d failed (%r); processing its messages one by one",
+                len(together),
+                exc,
+            )
+            self.stats["batch_retried_alone"] += 1
+            for message, _ in together:
+                await self.handle(message)
+            return
+        crash_point(CONSUMER_AFTER_COMMIT)
+        self.metrics.batch(len(together))
+        committed: list[AbstractIncomingMessage] = []
+        for (message, envelope), end in zip(together, ends, strict=True):
+            if isinstance(end, KeyReused):
+                with logs.message_context(envelope.delivery):
+                    logs.identify(envelope)
+                    await self._failed(message, envelope.delivery, envelope, end)
+                continue
+            self._count(envelope, end)
+            committed.append(message)
+        self.stats["batches"] += 1
+        self.stats["multiple_acks"] += await self.settlements.ack(committed)
+
+    def _count(self, envelope: Envelope, outcome: Outcome) -> None:
+        self.stats[outcome.value] += 1
+        self.metrics.message(envelope.handler.name, outcome.value)
+        log.debug(
+            "%s key=%s handler=%s message_id=%s",
+            outcome.value,
+            envelope.key,
+            envelope.handler.name,
+            envelope.delivery.message_id,
+        )
 
     async def handle(self, message: AbstractIncomingMessage) -> None:
         """Process one delivery to its end: acked after commit, retried later, parked, or
@@ -238,16 +376,9 @@ class Consumer:
             await self._failed(message, delivery, envelope, exc)
             return
         crash_point(CONSUMER_AFTER_COMMIT)
-        self.stats[outcome.value] += 1
-        self.metrics.message(envelope.handler.name, outcome.value)
-        log.debug(
-            "%s key=%s handler=%s message_id=%s",
-            outcome.value,
-            envelope.key,
-            envelope.handler.name,
-            delivery.message_id,
-        )
-        await self._settle(message.ack())
+        self.metrics.batch(1)
+        self._count(envelope, outcome)
+        await self.settlements.ack_one(message)
 
     async def _failed(
         self,
@@ -301,7 +432,7 @@ class Consumer:
             delay,
             failure.error,
         )
-        await self._settle(message.ack())
+        await self.settlements.ack_one(message)
 
     async def _park(
         self,
@@ -340,7 +471,7 @@ class Consumer:
             reason,
             failure.error,
         )
-        await self._settle(message.ack())
+        await self.settlements.ack_one(message)
 
     async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
         async with self.engine.begin() as conn:
@@ -392,12 +523,4 @@ class Consumer:
         self.stats["requeued"] += 1
         handler = self.router.find(delivery_from_amqp(message).routing_key)
         self.metrics.message(handler.name if handler is not None else None, "requeued")
-        await self._settle(message.nack(requeue=True))
-
-    @staticmethod
-    async def _settle(settlement: Awaitable[None]) -> None:
-        """Ack or nack; on a dead channel the tag is void and the broker redelivers by itself."""
-        try:
-            await settlement
-        except Exception as exc:
-            log.warning("could not settle a delivery (the broker will redeliver it): %r", exc)
+        await self.settlements.requeue(message)

@@ -8,9 +8,9 @@ inserted in the same transaction, so no event can exist without the effect that 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
@@ -34,8 +34,37 @@ class OutboxMessage:
     ordering_key: str | None
 
 
+class _Session:
+    """An ORM session on ``connection``, opened on first use, that joins its transaction and can
+    only roll it back: the unit of work alone commits."""
+
+    connection: AsyncConnection
+    _session: AsyncSession | None
+
+    @property
+    def session(self) -> AsyncSession:
+        """An ORM session bound to the unit of work's transaction; it cannot commit on its own."""
+        if self._session is None:
+            self._session = AsyncSession(
+                bind=self.connection,
+                expire_on_commit=False,
+                join_transaction_mode="rollback_only",
+            )
+        return self._session
+
+    async def flush(self) -> None:
+        """Send the session's pending ORM changes; called by the unit of work before commit."""
+        if self._session is not None:
+            await self._session.flush()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 @dataclass
-class Context:
+class Context(_Session):
     """The handler's view of its unit of work."""
 
     connection: AsyncConnection
@@ -65,17 +94,6 @@ class Context:
     def attempt(self) -> int:
         """1 on a message's first try, n + 1 after n delayed retries (in-process tries aside)."""
         return self.envelope.delivery.attempt
-
-    @property
-    def session(self) -> AsyncSession:
-        """An ORM session bound to the unit of work's transaction; it cannot commit on its own."""
-        if self._session is None:
-            self._session = AsyncSession(
-                bind=self.connection,
-                expire_on_commit=False,
-                join_transaction_mode="rollback_only",
-            )
-        return self._session
 
     def publish(
         self,
@@ -111,15 +129,26 @@ class Context:
         self.outbox.append(message)
         return message.message_id
 
-    async def flush(self) -> None:
-        """Send the session's pending ORM changes; called by the unit of work before commit."""
-        if self._session is not None:
-            await self._session.flush()
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+class Batch(_Session, Sequence[Context]):
+    """A batch handler's view of its unit of work: the ``Context`` of each message, in the order
+    of the bodies it was given, and the one transaction they all share (``connection``,
+    ``session``). Everything it writes commits, or rolls back, with the whole batch."""
+
+    def __init__(self, connection: AsyncConnection, contexts: Sequence[Context]) -> None:
+        self.connection = connection
+        self._contexts = list(contexts)
+        self._session = None
+
+    @overload
+    def __getitem__(self, index: int) -> Context: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[Context]: ...
+    def __getitem__(self, index: int | slice) -> Context | Sequence[Context]:
+        return self._contexts[index]
+
+    def __len__(self) -> int:
+        return len(self._contexts)
 
 
 def _with_trace(headers: Mapping[str, Any] | None) -> dict[str, Any]:

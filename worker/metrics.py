@@ -106,6 +106,12 @@ class Metrics:
             buckets=TRANSACTION_BUCKETS,
             registry=r,
         )
+        self.batch_messages = Histogram(
+            "worker_batch_messages",
+            "Deliveries per consumer transaction (a batch); one for a message handled alone.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.consumer_pauses = Counter(
             "worker_consumer_pauses_total",
             "Times consumption paused because PostgreSQL was unreachable.",
@@ -168,6 +174,10 @@ class Metrics:
             yield
         finally:
             self.transaction_seconds.labels(handler or "").observe(time.perf_counter() - started)
+
+    def batch(self, messages: int) -> None:
+        """Observe one consumer transaction of ``messages`` deliveries."""
+        self.batch_messages.observe(messages)
 
     def paused(self) -> None:
         """Count a pause of consumption for a database outage."""

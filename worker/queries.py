@@ -12,8 +12,21 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Float, bindparam, delete, func, or_, select, text, update
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy import (
+    Float,
+    Text,
+    bindparam,
+    column,
+    delete,
+    func,
+    or_,
+    select,
+    text,
+    tuple_,
+    update,
+    values,
+)
+from sqlalchemy.dialects.postgresql import JSONB, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.codec import to_jsonable
@@ -32,35 +45,45 @@ class InboxEntry:
     error: str | None
 
 
-async def claim_key(
+InboxKey = tuple[str, str]
+"""(handler name, idempotency key): what identifies an effect in the inbox."""
+
+
+async def claim_keys(
     conn: AsyncConnection,
-    envelope: Envelope,
+    envelopes: Sequence[Envelope],
     *,
     owner: str | None = None,
     lease: float | None = None,
-) -> bool:
-    """Insert the envelope's inbox row; False when the key is already taken.
+) -> set[InboxKey]:
+    """Insert the envelopes' inbox rows in one statement; return the keys it claimed (the others
+    were taken). The envelopes must have distinct keys, in the caller's lock order.
 
     A concurrent claim of the same key waits here until the other transaction ends: it then sees
-    the committed row (False) or, if the other rolled back, takes the key itself (True). A
+    the committed row (not claimed) or, if the other rolled back, takes the key itself. A
     workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
     """
     stmt = (
         insert(inbox)
         .values(
-            handler=envelope.handler.name,
-            key=envelope.key,
-            fingerprint=envelope.fingerprint,
-            status="in_progress",
-            message_id=envelope.delivery.message_id,
-            routing_key=envelope.delivery.routing_key,
-            owner=owner,
-            lease_until=None if lease is None else func.now() + _seconds(lease),
+            [
+                {
+                    "handler": envelope.handler.name,
+                    "key": envelope.key,
+                    "fingerprint": envelope.fingerprint,
+                    "status": "in_progress",
+                    "message_id": envelope.delivery.message_id,
+                    "routing_key": envelope.delivery.routing_key,
+                    "owner": owner,
+                    "lease_until": None if lease is None else func.now() + _seconds(lease),
+                }
+                for envelope in envelopes
+            ]
         )
         .on_conflict_do_nothing(index_elements=[inbox.c.handler, inbox.c.key])
-        .returning(inbox.c.handler)
+        .returning(inbox.c.handler, inbox.c.key)
     )
-    return (await conn.execute(stmt)).first() is not None
+    return {(row.handler, row.key) for row in await conn.execute(stmt)}
 
 
 def _seconds(value: float) -> Any:
@@ -68,27 +91,36 @@ def _seconds(value: float) -> Any:
     return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(None, value, type_=Float))
 
 
-async def fetch_key(conn: AsyncConnection, handler: str, key: str) -> InboxEntry | None:
-    """The committed inbox row of (handler, key), if any."""
-    stmt = select(inbox.c.status, inbox.c.fingerprint, inbox.c.result, inbox.c.error).where(
-        inbox.c.handler == handler, inbox.c.key == key
-    )
-    row = (await conn.execute(stmt)).first()
-    return (
-        None
-        if row is None
-        else InboxEntry(row.status, bytes(row.fingerprint), row.result, row.error)
-    )
+async def fetch_keys(conn: AsyncConnection, keys: Sequence[InboxKey]) -> dict[InboxKey, InboxEntry]:
+    """The committed inbox rows of ``keys`` that exist."""
+    stmt = select(
+        inbox.c.handler,
+        inbox.c.key,
+        inbox.c.status,
+        inbox.c.fingerprint,
+        inbox.c.result,
+        inbox.c.error,
+    ).where(tuple_(inbox.c.handler, inbox.c.key).in_(keys))
+    return {
+        (row.handler, row.key): InboxEntry(
+            row.status, bytes(row.fingerprint), row.result, row.error
+        )
+        for row in await conn.execute(stmt)
+    }
 
 
-async def complete_key(conn: AsyncConnection, handler: str, key: str, result: Any) -> None:
-    """Mark (handler, key) completed and store the handler's result with it."""
+async def complete_keys(conn: AsyncConnection, results: Sequence[tuple[str, str, Any]]) -> None:
+    """Mark each (handler, key, result)'s key completed and store the handler's result with it,
+    in one statement."""
+    done = values(
+        column("handler", Text), column("key", Text), column("result", JSONB), name="done"
+    ).data([(handler, key, to_jsonable(result)) for handler, key, result in results])
     stmt = (
         update(inbox)
-        .where(inbox.c.handler == handler, inbox.c.key == key)
+        .where(inbox.c.handler == done.c.handler, inbox.c.key == done.c.key)
         .values(
             status="completed",
-            result=to_jsonable(result),
+            result=done.c.result,
             owner=None,
             lease_until=None,
             updated_at=func.now(),

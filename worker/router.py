@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,11 +20,12 @@ from sqlalchemy import MetaData
 from worker.errors import HandlerRegistrationError, InvalidBody
 
 if TYPE_CHECKING:
-    from worker.context import Context
+    from worker.context import Batch, Context
     from worker.workflows import Workflow
 
 HandlerFunc = Callable[[Any, "Context"], Awaitable[Any]]
 WorkflowFunc = Callable[[Any, "Workflow"], Awaitable[Any]]
+BatchHandlerFunc = Callable[[list[Any], "Batch"], Awaitable["Sequence[Any] | None"]]
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class Handler:
     func: Callable[[Any, Any], Awaitable[Any]]
     body_type: Any
     workflow: bool = False
+    batch: bool = False
     adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -53,11 +55,14 @@ class Handler:
             raise InvalidBody(f"body failed validation: {errors}") from exc
 
 
-def _body_type(func: Callable[..., Awaitable[Any]]) -> Any:
+def _body_type(func: Callable[..., Awaitable[Any]], *, batch: bool = False) -> Any:
+    """The body type a handler's first parameter declares; for a batch handler, the ``T`` of its
+    ``list[T]`` (or ``Sequence[T]``)."""
     params = list(inspect.signature(func).parameters.values())
     if len(params) != 2:
+        expected = "(bodies, batch)" if batch else "(body, ctx)"
         raise HandlerRegistrationError(
-            f"handler {func.__qualname__} must take two parameters (body, ctx), not {len(params)}"
+            f"handler {func.__qualname__} must take two parameters {expected}, not {len(params)}"
         )
     try:
         hints = typing.get_type_hints(func)
@@ -65,7 +70,15 @@ def _body_type(func: Callable[..., Awaitable[Any]]) -> Any:
         raise HandlerRegistrationError(
             f"cannot resolve the annotations of {func.__qualname__}: {exc}"
         ) from exc
-    return hints.get(params[0].name, Any)
+    declared = hints.get(params[0].name, Any)
+    if not batch or declared is Any:
+        return declared
+    if typing.get_origin(declared) not in (list, Sequence) or len(typing.get_args(declared)) != 1:
+        raise HandlerRegistrationError(
+            f"batch handler {func.__qualname__} must annotate its bodies as list[T], "
+            f"not {declared!r}"
+        )
+    return typing.get_args(declared)[0]
 
 
 class Router:
@@ -122,6 +135,29 @@ class Router:
                 raise HandlerRegistrationError(f"workflow {func.__qualname__} must be async def")
             handler = Handler(name or routing_key, routing_key, func, _body_type(func), True)
             self._add(handler)
+            return func
+
+        return register
+
+    def batch_handler(
+        self, routing_key: str, *, name: str | None = None
+    ) -> Callable[[BatchHandlerFunc], BatchHandlerFunc]:
+        """Register the decorated coroutine function as the batch handler of ``routing_key``.
+
+        It is called as ``func(bodies, batch)`` with the bodies of a batch's messages of this
+        routing key (distinct keys, in key order) and a ``worker.Batch`` holding each message's
+        ``Context``, for set-based writes in the batch's one transaction. It returns None or one
+        result per body, stored with that body's key. A message handled alone comes as a batch
+        of one.
+        """
+
+        def register(func: BatchHandlerFunc) -> BatchHandlerFunc:
+            if not inspect.iscoroutinefunction(func):
+                raise HandlerRegistrationError(
+                    f"batch handler {func.__qualname__} must be async def"
+                )
+            body_type = _body_type(func, batch=True)
+            self._add(Handler(name or routing_key, routing_key, func, body_type, batch=True))
             return func
 
         return register

@@ -77,6 +77,14 @@ def duration(raw: str) -> float:
     return seconds
 
 
+def duration_or_zero(raw: str) -> float:
+    """Like ``duration``, and ``0`` for none at all."""
+    text = raw.strip().lower()
+    if text.rstrip("msh").strip() in {"0", "0.0"}:
+        return 0.0
+    return duration(raw)
+
+
 def durations(raw: str) -> tuple[float, ...]:
     """A comma-separated list of durations (``1s,10s,1m``); ``none`` is the empty list."""
     if raw.strip().lower() == "none":
@@ -121,6 +129,16 @@ FIELDS: tuple[Field, ...] = (
     Field("queue", str, "durable work queue; dead letters go to <queue>.dlq"),
     Field("prefetch", positive_int, "unacknowledged deliveries the broker sends ahead"),
     Field("concurrency", positive_int, "transactions in flight at once (= database pool size)"),
+    Field(
+        "batch_size",
+        positive_int,
+        "most deliveries one transaction takes (at most prefetch; 1: a transaction per message)",
+    ),
+    Field(
+        "batch_linger",
+        duration_or_zero,
+        "how long a free consumer waits for a batch to fill before it runs what it has (0: not)",
+    ),
     Field("handlers", _handler_list, "comma-separated handler modules to load"),
     Field("max_body_bytes", positive_int, "larger message bodies are dead-lettered"),
     Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
@@ -174,6 +192,8 @@ class Settings:
     queue: str = "worker"
     prefetch: int = 32
     concurrency: int = 8
+    batch_size: int = 100
+    batch_linger: float = 0.002
     handlers: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 1024 * 1024
     log_level: str = "INFO"

@@ -308,7 +308,8 @@ class Harness:
         except Rejected as exc:
             return await self._dead_letter(delivery, envelope, exc)
         async with self.engine.connect() as conn:
-            entry = await queries.fetch_key(conn, envelope.handler.name, envelope.key)
+            key = (envelope.handler.name, envelope.key)
+            entry = (await queries.fetch_keys(conn, [key])).get(key)
         return Delivered(
             delivery,
             outcome.value,

@@ -171,7 +171,7 @@ async def run(
         async with engine.connect() as conn, conn.begin():
             if not await queries.hold_workflow(conn, handler.name, envelope.key, owner):
                 raise WorkflowBusy(f"workflow {envelope.key!r} was taken over by another delivery")
-            await queries.complete_key(conn, handler.name, envelope.key, result)
+            await queries.complete_keys(conn, [(handler.name, envelope.key, result)])
     except BaseException:
         with contextlib.suppress(Exception):
             async with engine.connect() as conn, conn.begin():

@@ -1,7 +1,8 @@
 """Payments: settle a requested payment exactly once, and announce it.
 
 ``payment.requested`` → add the amount to the account's balance, write a ledger entry and emit
-``payment.settled``, all in the worker's one transaction. A redelivery changes nothing.
+``payment.settled``, all in the worker's one transaction. A redelivery changes nothing. Its
+handler is a batch handler (set-based writes for a whole batch of payments).
 
 ``payment.settled`` → record a settlement notice for the account holder, once per event: the
 relay may publish an event more than once, and the inbox recognises the repeat by its message id.
@@ -17,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.dialects.postgresql import insert
 
 from examples.payments.tables import accounts, ledger_entries, metadata, settlement_notices
-from worker import Context, Router
+from worker import Batch, Context, Router
 
 router = Router(
     "payments", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata
@@ -34,29 +35,45 @@ class PaymentRequested(BaseModel):
     amount_cents: int = Field(gt=0)
 
 
-@router.handler("payment.requested")
-async def settle_payment(payment: PaymentRequested, ctx: Context) -> dict[str, Any]:
-    """Credit the account, record the ledger entry and emit ``payment.settled``."""
-    new = insert(accounts).values(account=payment.account, balance_cents=payment.amount_cents)
+@router.batch_handler("payment.requested")
+async def settle_payments(payments: list[PaymentRequested], batch: Batch) -> list[dict[str, Any]]:
+    """Credit the accounts, record the ledger entries and emit one ``payment.settled`` each.
+
+    A batch handler: it gets every payment of a batch (distinct idempotency keys) and writes them
+    set-based, one upsert for the accounts (in account order, so concurrent batches lock them in
+    the same order) and one insert for the ledger. A message handled alone is a batch of one.
+    """
+    totals: dict[str, int] = {}
+    for payment in payments:
+        totals[payment.account] = totals.get(payment.account, 0) + payment.amount_cents
+    new = insert(accounts).values(
+        [{"account": account, "balance_cents": total} for account, total in sorted(totals.items())]
+    )
     credit = new.on_conflict_do_update(
         index_elements=[accounts.c.account],
         set_={"balance_cents": accounts.c.balance_cents + new.excluded.balance_cents},
-    ).returning(accounts.c.balance_cents)
-    balance_cents = (await ctx.session.execute(credit)).scalar_one()
-    await ctx.session.execute(
-        insert(ledger_entries).values(
-            payment_id=payment.payment_id,
-            account=payment.account,
-            amount_cents=payment.amount_cents,
-        )
+    ).returning(accounts.c.account, accounts.c.balance_cents)
+    balances = {row.account: row.balance_cents for row in await batch.connection.execute(credit)}
+    await batch.connection.execute(
+        insert(ledger_entries),
+        [
+            {"payment_id": p.payment_id, "account": p.account, "amount_cents": p.amount_cents}
+            for p in payments
+        ],
     )
-    settled = {
-        "payment_id": payment.payment_id,
-        "account": payment.account,
-        "amount_cents": payment.amount_cents,
-        "balance_cents": balance_cents,
-    }
-    ctx.publish("payment.settled", settled, ordering_key=payment.account)
+    # each event carries its account's balance right after its payment, in the batch's order
+    running = {account: balances[account] - total for account, total in totals.items()}
+    settled = []
+    for payment, ctx in zip(payments, batch, strict=True):
+        running[payment.account] += payment.amount_cents
+        event = {
+            "payment_id": payment.payment_id,
+            "account": payment.account,
+            "amount_cents": payment.amount_cents,
+            "balance_cents": running[payment.account],
+        }
+        ctx.publish("payment.settled", event, ordering_key=payment.account)
+        settled.append(event)
     return settled
 
 
@@ -66,7 +83,7 @@ class PaymentSettled(PaymentRequested):
     balance_cents: int
 
 
-@router.handler("payment.settled")
+@router.handler("payment.settled")  # a plain handler: one body, one Context
 async def record_settlement_notice(event: PaymentSettled, ctx: Context) -> None:
     """Log the notice the account holder gets for a settled payment (one row per event)."""
     await ctx.session.execute(
