@@ -31,8 +31,11 @@ async def test_sigterm_during_a_burst_exits_0_and_a_restart_applies_each_payment
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
     rng = random.Random(11)
-    unique = [payment(f"b{i}", f"acct-{rng.randrange(5)}", rng.randint(1, 900)) for i in range(300)]
-    sends = unique + [rng.choice(unique) for _ in range(75)]
+    # (enough that a batching worker is still busy when the signal comes)
+    unique = [
+        payment(f"b{i}", f"acct-{rng.randrange(5)}", rng.randint(1, 900)) for i in range(2000)
+    ]
+    sends = unique + [rng.choice(unique) for _ in range(500)]
     rng.shuffle(sends)
     expected: dict[str, int] = {}
     for p in unique:
@@ -66,6 +69,7 @@ async def test_sigterm_during_a_burst_exits_0_and_a_restart_applies_each_payment
 
     # When a worker starts again, every payment takes effect exactly once
     with worker_process(settings, log, **PAYMENTS) as restarted:
+        await wait_for_consumer(amqp, settings.queue)  # (its signal handlers are installed)
 
         async def all_applied() -> bool:
             return await scalar(engine, "SELECT count(*) FROM inbox") == len(unique)

@@ -274,7 +274,7 @@ class Consumer:
         envelopes = [envelope for _, envelope in together]
         handlers = {envelope.handler.name for envelope in envelopes}
         try:
-            crash_point(CONSUMER_BEFORE_CLAIM)
+            crash_point(CONSUMER_BEFORE_CLAIM, len(envelopes))
             with (
                 tracing.span(
                     f"{self.settings.queue} process",
@@ -303,7 +303,7 @@ class Consumer:
             for message, _ in together:
                 await self.handle(message)
             return
-        crash_point(CONSUMER_AFTER_COMMIT)
+        crash_point(CONSUMER_AFTER_COMMIT, len(together))
         self.metrics.batch(len(together))
         committed: list[AbstractIncomingMessage] = []
         for (message, envelope), end in zip(together, ends, strict=True):

@@ -1,8 +1,9 @@
 """Named crash points for crash-consistency tests; inert unless ``WORKER_CRASH_AT`` names one.
 
 A test starts a worker process with ``WORKER_CRASH_AT=<point>`` (or ``<point>@<n>``: the n-th
-time the point is reached); when the process gets there it kills itself with SIGKILL, as a power
-cut would, with no cleanup of any kind. Unset, a crash point costs one comparison.
+time the point is reached, a batch counting once per message); when the process gets there it
+kills itself with SIGKILL, as a power cut would, with no cleanup of any kind. Unset, a crash
+point costs one comparison.
 """
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ _ARMED, _AT = _armed(os.environ.get(CRASH_ENV))
 _hits = 0
 
 
-def crash_point(name: str) -> None:
-    """Die at once with SIGKILL if this process was started to crash at ``name`` (this time)."""
+def crash_point(name: str, messages: int = 1) -> None:
+    """Die at once with SIGKILL if this process was started to crash at ``name`` (this time).
+
+    A point reached for a batch counts once per message in it, so ``<point>@<n>`` crashes at
+    the batch holding the n-th message, whatever the batch size."""
     global _hits
     if name != _ARMED:
         return
-    _hits += 1
+    _hits += messages
     if _hits >= _AT:
         log.critical("crash point %s reached (time %d): killing the process", name, _hits)
         os.kill(os.getpid(), signal.SIGKILL)

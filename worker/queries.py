@@ -6,6 +6,7 @@ so that it runs inside the caller's transaction.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from sqlalchemy import (
     Float,
     Text,
     bindparam,
-    column,
+    cast,
     delete,
     func,
     or_,
@@ -24,9 +25,8 @@ from sqlalchemy import (
     text,
     tuple_,
     update,
-    values,
 )
-from sqlalchemy.dialects.postgresql import JSONB, insert
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.codec import to_jsonable
@@ -66,24 +66,25 @@ async def claim_keys(
     stmt = (
         insert(inbox)
         .values(
-            [
-                {
-                    "handler": envelope.handler.name,
-                    "key": envelope.key,
-                    "fingerprint": envelope.fingerprint,
-                    "status": "in_progress",
-                    "message_id": envelope.delivery.message_id,
-                    "routing_key": envelope.delivery.routing_key,
-                    "owner": owner,
-                    "lease_until": None if lease is None else func.now() + _seconds(lease),
-                }
-                for envelope in envelopes
-            ]
+            status="in_progress",
+            owner=owner,
+            lease_until=None if lease is None else func.now() + _seconds(lease),
         )
         .on_conflict_do_nothing(index_elements=[inbox.c.handler, inbox.c.key])
         .returning(inbox.c.handler, inbox.c.key)
     )
-    return {(row.handler, row.key) for row in await conn.execute(stmt)}
+    rows = [
+        {
+            "handler": envelope.handler.name,
+            "key": envelope.key,
+            "fingerprint": envelope.fingerprint,
+            "message_id": envelope.delivery.message_id,
+            "routing_key": envelope.delivery.routing_key,
+        }
+        for envelope in envelopes
+    ]
+    # executemany: SQLAlchemy sends the rows as one multi-row INSERT of a cached statement
+    return {(row.handler, row.key) for row in await conn.execute(stmt, rows)}
 
 
 def _seconds(value: float) -> Any:
@@ -112,21 +113,33 @@ async def fetch_keys(conn: AsyncConnection, keys: Sequence[InboxKey]) -> dict[In
 async def complete_keys(conn: AsyncConnection, results: Sequence[tuple[str, str, Any]]) -> None:
     """Mark each (handler, key, result)'s key completed and store the handler's result with it,
     in one statement."""
-    done = values(
-        column("handler", Text), column("key", Text), column("result", JSONB), name="done"
-    ).data([(handler, key, to_jsonable(result)) for handler, key, result in results])
+    done = (
+        func.unnest(
+            bindparam("handlers", type_=ARRAY(Text)),
+            bindparam("keys", type_=ARRAY(Text)),
+            bindparam("results", type_=ARRAY(Text)),
+        )
+        .table_valued("handler", "key", "result")
+        .render_derived()
+    )
     stmt = (
         update(inbox)
         .where(inbox.c.handler == done.c.handler, inbox.c.key == done.c.key)
         .values(
             status="completed",
-            result=done.c.result,
+            result=cast(done.c.result, JSONB),
             owner=None,
             lease_until=None,
             updated_at=func.now(),
         )
     )
-    await conn.execute(stmt)
+    # one statement of a fixed text, the rows as three arrays
+    params = {
+        "handlers": [handler for handler, _, _ in results],
+        "keys": [key for _, key, _ in results],
+        "results": [json.dumps(to_jsonable(result)) for _, _, result in results],
+    }
+    await conn.execute(stmt, params)
 
 
 async def record_failure(
@@ -337,16 +350,18 @@ async def append_outbox(
     """
     if not messages:
         return
-    # One round trip for the locks and the notification; PostgreSQL evaluates a select list
-    # left to right, so the locks are taken in key order.
-    before_insert = [
-        func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(key))
-        for key in sorted({m.ordering_key for m in messages if m.ordering_key is not None})
-    ]
-    if notify:
-        before_insert.append(func.pg_notify(OUTBOX_CHANNEL, ""))
-    if before_insert:
-        await conn.execute(select(*before_insert))
+    # One round trip, of one statement text whatever the keys, for the locks (taken in the
+    # sorted array's order) and the notification.
+    ordering_keys = sorted({m.ordering_key for m in messages if m.ordering_key is not None})
+    if ordering_keys or notify:
+        locked = (
+            func.unnest(bindparam("keys", type_=ARRAY(Text))).table_valued("key").render_derived()
+        )
+        lock = func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(locked.c.key))
+        stmt = select(func.count(lock)).select_from(locked)
+        if notify:
+            stmt = stmt.add_columns(func.pg_notify(OUTBOX_CHANNEL, ""))
+        await conn.execute(stmt, {"keys": ordering_keys})
     await conn.execute(
         insert(outbox),
         [

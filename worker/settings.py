@@ -190,8 +190,8 @@ class Settings:
     amqp_url: str = "amqp://guest:guest@localhost:5672/"
     exchange: str = "events"
     queue: str = "worker"
-    prefetch: int = 32
-    concurrency: int = 8
+    prefetch: int = 400
+    concurrency: int = 4
     batch_size: int = 100
     batch_linger: float = 0.002
     handlers: tuple[str, ...] = field(default_factory=tuple)

@@ -133,7 +133,7 @@ async def process_batch(
                 await queries.complete_keys(
                     conn, [(*inbox_key(e), r) for e, r in zip(runnable, results, strict=True)]
                 )
-            crash_point(UNIT_OF_WORK_BEFORE_COMMIT)
+            crash_point(UNIT_OF_WORK_BEFORE_COMMIT, len(envelopes))
         except Exception as exc:
             if is_transient(exc):
                 raise

@@ -46,14 +46,15 @@ async def settle_payments(payments: list[PaymentRequested], batch: Batch) -> lis
     totals: dict[str, int] = {}
     for payment in payments:
         totals[payment.account] = totals.get(payment.account, 0) + payment.amount_cents
-    new = insert(accounts).values(
-        [{"account": account, "balance_cents": total} for account, total in sorted(totals.items())]
-    )
+    new = insert(accounts)
     credit = new.on_conflict_do_update(
         index_elements=[accounts.c.account],
         set_={"balance_cents": accounts.c.balance_cents + new.excluded.balance_cents},
     ).returning(accounts.c.account, accounts.c.balance_cents)
-    balances = {row.account: row.balance_cents for row in await batch.connection.execute(credit)}
+    credits = [{"account": a, "balance_cents": total} for a, total in sorted(totals.items())]
+    balances = {
+        row.account: row.balance_cents for row in await batch.connection.execute(credit, credits)
+    }
     await batch.connection.execute(
         insert(ledger_entries),
         [
@@ -86,7 +87,7 @@ class PaymentSettled(PaymentRequested):
 @router.handler("payment.settled")  # a plain handler: one body, one Context
 async def record_settlement_notice(event: PaymentSettled, ctx: Context) -> None:
     """Log the notice the account holder gets for a settled payment (one row per event)."""
-    await ctx.session.execute(
+    await ctx.connection.execute(
         insert(settlement_notices).values(
             payment_id=event.payment_id,
             event_id=ctx.message_id or ctx.key,
