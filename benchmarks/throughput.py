@@ -123,7 +123,9 @@ AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
 the key. If the consumer stops logging it, the publish -> commit latency is reported as n/a."""
 PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
 WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_parked")
-EXPECTED_STATS = frozenset({"processed", "duplicate", "relay_published"})
+EXPECTED_STATS = frozenset(
+    {"processed", "duplicate", "relay_published", "batches", "multiple_acks"}
+)
 """Stats counters of an undisturbed run; any other (dead letters, retries ...) is reported."""
 
 
@@ -142,6 +144,7 @@ class Options:
     latency_seconds: float
     latency_rate: float
     timeout: float
+    inbox_rows: int
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,7 @@ TARGETS = (
     Target("c", "b", 4.0),
     Target("d", "a", 0.6),
     Target("e", "bare", 1.0),
+    Target("c+", "c", 0.9),
 )
 
 
@@ -474,9 +478,39 @@ async def naive_consume(bench: Bench) -> Timing:
 
 async def worker_relay_off(bench: Bench) -> Timing:
     """(c) ``worker.runner.run`` with the payments example and no relay."""
-    settings = bench.names("c", relay=False)
+    return await _worker_relay_off(bench, "c")
+
+
+async def worker_relay_off_full_inbox(bench: Bench) -> Timing:
+    """(c+) As (c), with ``--inbox-rows`` completed keys of other messages in the inbox."""
+    return await _worker_relay_off(bench, "c+", inbox_rows=bench.options.inbox_rows)
+
+
+async def fill_inbox(engine: AsyncEngine, rows: int) -> None:
+    """``rows`` completed inbox keys of earlier messages, as a long-running deployment has."""
+    progress(f"  filling the inbox with {rows:,} rows ...")
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO inbox (handler, key, fingerprint, status, routing_key, result)"
+                " SELECT 'payment.requested', 'earlier-' || g, sha256(g::text::bytea),"
+                " 'completed', 'payment.requested', '{}'::jsonb"
+                " FROM generate_series(1, :rows) AS g"
+            ),
+            {"rows": rows},
+        )
+    async with engine.connect() as conn:
+        await conn.execution_options(isolation_level="AUTOCOMMIT")
+        await conn.execute(text("VACUUM ANALYZE inbox"))
+        await conn.execute(text("CHECKPOINT"))
+
+
+async def _worker_relay_off(bench: Bench, key: str, *, inbox_rows: int = 0) -> Timing:
+    settings = bench.names(key.replace("+", "-full"), relay=False)
     await reset_tables(bench.engine)
-    bench.peak_rss_kib["before (c)"] = peak_rss_kib()
+    if inbox_rows:
+        await fill_inbox(bench.engine, inbox_rows)
+    bench.peak_rss_kib[f"before ({key})"] = peak_rss_kib()
     try:
         topology = await declare_topology(bench.channel, settings, payments_router.routing_keys())
         await preload(bench, topology.exchange, REQUESTED)
@@ -490,12 +524,12 @@ async def worker_relay_off(bench: Bench) -> Timing:
             timing = await timed(finished, bench.options.timeout, task)
     finally:
         await delete_broker_objects(settings)
-    bench.peak_rss_kib["after (c)"] = peak_rss_kib()
+    bench.peak_rss_kib[f"after ({key})"] = peak_rss_kib()
     if early:
-        bench.note("c", f"{early} messages were handled before the worker reported it started")
+        bench.note(key, f"{early} messages were handled before the worker reported it started")
     if odd := unusual(stats):
-        bench.note("c", f"{odd} (all stats: {dict(stats)})")
-    await check_payments(bench, "c")
+        bench.note(key, f"{odd} (all stats: {dict(stats)})")
+    await check_payments(bench, key)
     return timing
 
 
@@ -748,6 +782,7 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("a", "aio-pika consume+ack, no database", bare_consume),
     ("b", "naive asyncpg, 1 tx per message", naive_consume),
     ("c", "worker, relay off", worker_relay_off),
+    ("c+", "worker, relay off, --inbox-rows in inbox", worker_relay_off_full_inbox),
     ("d", "worker + relay, events downstream", worker_with_relay),
     ("e", "relay draining the outbox", relay_alone),
     ("bare", "bare publish+confirm (aio-pika)", bare_publish),
@@ -764,7 +799,9 @@ async def run_scenarios(settings: Settings, options: Options) -> Bench:
         plan = plan_payments(options.messages, options.duplicates, options.accounts, SEED)
         bench = Bench(settings, options, uuid.uuid4().hex[:10], connection, channel, engine, plan)
         for key, label, scenario in TIMED:
-            if ("e" if key == "bare" else key) not in options.only:
+            if {"bare": "e", "c+": "c"}.get(key, key) not in options.only:
+                continue
+            if key == "c+" and not options.inbox_rows:
                 continue
             progress(f"running ({key}) {label} ...")
             timing: Timing | None = None
@@ -906,6 +943,11 @@ def parse_options(argv: list[str] | None) -> Options:
         type=positive_float,
         help="seconds a scenario's drain may take (default: 120 + 20 ms per message)",
     )
+    parser.add_argument(
+        "--inbox-rows",
+        type=positive_int,
+        help="also run (c) with this many earlier keys in the inbox, e.g. 10000000 (takes minutes)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2000 messages")
     args = parser.parse_args(argv)
     messages = args.messages or (2000 if args.quick else 50_000)
@@ -917,6 +959,7 @@ def parse_options(argv: list[str] | None) -> Options:
         latency_seconds=args.latency_seconds or (1.0 if args.quick else 5.0),
         latency_rate=args.latency_rate,
         timeout=args.timeout or 120.0 + 0.02 * messages,
+        inbox_rows=args.inbox_rows or 0,
     )
 
 

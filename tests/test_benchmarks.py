@@ -10,7 +10,7 @@ from pathlib import Path
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
-RATIOS = ("c/a", "c/b", "d/a", "e/bare")
+RATIOS = ("c/a", "c/b", "d/a", "e/bare", "c+/c")
 
 
 def test_throughput_quick_run_prints_every_ratio() -> None:
@@ -18,7 +18,10 @@ def test_throughput_quick_run_prints_every_ratio() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(WORKER_DATABASE_URL=base.database_url, WORKER_AMQP_URL=base.amqp_url)
     result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.throughput", "--quick", "--messages", "300"],
+        [
+            *(sys.executable, "-m", "benchmarks.throughput", "--quick", "--messages", "300"),
+            *("--inbox-rows", "1000"),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -31,5 +34,6 @@ def test_throughput_quick_run_prints_every_ratio() -> None:
     for ratio in RATIOS:
         assert any(line.startswith(ratio) and "x" in line for line in lines), result.stdout
     assert any(line.startswith("(c) worker") for line in lines), result.stdout
+    assert any(line.startswith("(c+) worker") for line in lines), result.stdout
     assert "peak RSS after (c)" in result.stdout
     assert "publish -> commit" in result.stdout
