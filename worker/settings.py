@@ -191,7 +191,7 @@ class Settings:
     exchange: str = "events"
     queue: str = "worker"
     prefetch: int = 400
-    concurrency: int = 4
+    concurrency: int = 2
     batch_size: int = 100
     batch_linger: float = 0.002
     handlers: tuple[str, ...] = field(default_factory=tuple)
