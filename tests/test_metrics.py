@@ -120,6 +120,8 @@ async def test_counters_and_histograms_render_with_their_labels() -> None:
     metrics.relay_batch(5, published=3, failed=2, parked=1)
     metrics.relay_batch(0, published=0)
     metrics.expired(7)
+    metrics.batch(1)
+    metrics.batch(40)
 
     counts = samples(metrics)
     total = "worker_messages_total"
@@ -136,6 +138,8 @@ async def test_counters_and_histograms_render_with_their_labels() -> None:
     assert counts[("worker_consumer_pauses_total", ())] == 1
     assert counts[("worker_relay_batch_rows_count", ())] == 1  # the empty batch is not observed
     assert counts[("worker_relay_batch_rows_sum", ())] == 5
+    assert counts[("worker_batch_messages_count", ())] == 2
+    assert counts[("worker_batch_messages_sum", ())] == 41
     relayed = "worker_relay_messages_total"
     assert counts[(relayed, (("result", "published"),))] == 3
     assert counts[(relayed, (("result", "failed"),))] == 2

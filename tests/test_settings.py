@@ -146,6 +146,19 @@ def test_a_bad_duration_is_refused(raw: str) -> None:
         duration(raw)
 
 
+@pytest.mark.parametrize(
+    ("raw", "seconds"), [("0", 0.0), ("0ms", 0.0), ("0d", 0.0), ("2ms", 0.002)]
+)
+def test_a_linger_may_be_zero(raw: str, seconds: float) -> None:
+    assert Settings.load({"WORKER_BATCH_LINGER": raw}).batch_linger == seconds
+
+
+@pytest.mark.parametrize("raw", ["-1ms", "x", "nan", "infs"])
+def test_a_bad_linger_is_refused(raw: str) -> None:
+    with pytest.raises(ConfigurationError, match="WORKER_BATCH_LINGER"):
+        Settings.load({"WORKER_BATCH_LINGER": raw})
+
+
 def test_retry_delays_are_a_list_of_durations_or_none() -> None:
     assert Settings.load({"WORKER_RETRY_DELAYS": "1s, 10s,1m"}).retry_delays == (1.0, 10.0, 60.0)
     assert Settings.load({"WORKER_RETRY_DELAYS": "none"}).retry_delays == ()

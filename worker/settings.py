@@ -65,6 +65,21 @@ _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 def duration(raw: str) -> float:
     """Seconds from ``90``, ``1.5``, ``500ms``, ``10s``, ``5m``, ``2h`` or ``7d``; more than 0."""
+    seconds = _seconds(raw)
+    if not seconds > 0:
+        raise ValueError("must be a positive, finite duration")
+    return seconds
+
+
+def duration_or_zero(raw: str) -> float:
+    """Like ``duration``, and ``0`` (with a unit or not) for none at all."""
+    seconds = _seconds(raw)
+    if seconds < 0:
+        raise ValueError("must be a finite duration of 0 or more")
+    return seconds
+
+
+def _seconds(raw: str) -> float:
     text = raw.strip().lower()
     unit = next((u for u in ("ms", "s", "m", "h", "d") if text.endswith(u)), "")
     number = text[: len(text) - len(unit)].strip()
@@ -72,17 +87,9 @@ def duration(raw: str) -> float:
         seconds = float(number) * _UNITS.get(unit, 1.0)
     except ValueError:
         raise ValueError("must be a duration such as 30s, 5m, 2h or 7d") from None
-    if not seconds > 0 or seconds == float("inf"):
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
         raise ValueError("must be a positive, finite duration")
     return seconds
-
-
-def duration_or_zero(raw: str) -> float:
-    """Like ``duration``, and ``0`` for none at all."""
-    text = raw.strip().lower()
-    if text.rstrip("msh").strip() in {"0", "0.0"}:
-        return 0.0
-    return duration(raw)
 
 
 def durations(raw: str) -> tuple[float, ...]:
