@@ -1,10 +1,12 @@
 """Settling deliveries: acks and nacks, with one multiple-ack where it is provably safe.
 
 AMQP's ``basic.ack(tag, multiple=True)`` settles every unsettled delivery of the channel up to
-``tag``. It is sent only for a contiguous run: when every delivery of that channel with a tag up
-to ``tag`` that is still unsettled is one being acked now (its transaction committed). Any other
-delivery is settled on its own. Settlements are issued one at a time, in order, so a multiple-ack
-never overtakes an ack or nack of a tag below it.
+``tag``. A channel numbers its deliveries 1, 2, 3 ...; this module sends a multiple-ack only
+for a run that starts at the channel's lowest tag not yet settled and in which every tag is
+either being acked now (its transaction committed) or was settled before. A tag it never saw
+(a delivery the client dropped, e.g. one that arrived for a cancelled consumer) breaks the run,
+so a multiple-ack can never settle a delivery nobody processed. Any other delivery is settled on
+its own. Settlements are issued one at a time, in order, so none overtakes another.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
@@ -20,24 +23,44 @@ from aio_pika.abc import AbstractIncomingMessage
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Channel:
+    """What is settled on one AMQP channel: every tag below ``floor``, and ``above`` (settled
+    tags at or over ``floor``)."""
+
+    floor: int = 1
+    above: set[int] = field(default_factory=set)
+
+    def settled(self, tag: int) -> None:
+        self.above.add(tag)
+        while self.floor in self.above:
+            self.above.discard(self.floor)
+            self.floor += 1
+
+    def run(self, ready: Iterable[int]) -> list[int]:
+        """The tags of ``ready`` that one multiple-ack may settle: those in the unbroken
+        sequence from ``floor`` of tags settled before or in ``ready``."""
+        ready = set(ready)
+        run: list[int] = []
+        tag = self.floor
+        while tag in ready or tag in self.above:
+            if tag in ready:
+                run.append(tag)
+            tag += 1
+        return run
+
+
 class Settlements:
-    """The unsettled deliveries of a consumer's channels, and the one way to settle them."""
+    """The settled deliveries of a consumer's channels, and the one way to settle them."""
 
     def __init__(self) -> None:
-        # per AMQP channel (a reconnect opens a new one): the tags delivered and not yet settled
-        self._unsettled: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        # per AMQP channel (a reconnect opens a new one)
+        self._channels: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
         self._issuing = asyncio.Lock()
 
-    def received(self, message: AbstractIncomingMessage) -> None:
-        """Note a delivery as unsettled; call it before the delivery can be settled."""
-        channel = _channel_of(message)
-        if channel is not None and message.delivery_tag is not None:
-            self._unsettled.setdefault(channel, set()).add(message.delivery_tag)
-
     async def ack(self, messages: Iterable[AbstractIncomingMessage]) -> int:
-        """Ack ``messages`` (all committed): the contiguous run from the channel's lowest
-        unsettled tag with one multiple-ack, the others one by one. Returns how many
-        multiple-acks it sent."""
+        """Ack ``messages`` (all committed): the run from the channel's lowest unsettled tag
+        with one multiple-ack, the others one by one. Returns how many multiple-acks it sent."""
         sent = 0
         async with self._issuing:
             by_channel: dict[Any, dict[int, AbstractIncomingMessage]] = {}
@@ -48,20 +71,17 @@ class Settlements:
                     continue
                 by_channel.setdefault(channel, {})[message.delivery_tag] = message
             for channel, ready in by_channel.items():
-                unsettled = self._unsettled.setdefault(channel, set())
-                run: list[int] = []
-                for tag in sorted(unsettled):
-                    if tag not in ready:
-                        break
-                    run.append(tag)
+                state = self._channels.setdefault(channel, _Channel())
+                run = state.run(ready)
                 if len(run) > 1:
-                    unsettled.difference_update(run)
+                    for tag in run:
+                        state.settled(tag)
                     await _issue(ready[run[-1]].ack(multiple=True))
                     sent += 1
                     for tag in run:
                         del ready[tag]
                 for tag, message in sorted(ready.items()):
-                    unsettled.discard(tag)
+                    state.settled(tag)
                     await _issue(message.ack())
         return sent
 
@@ -71,13 +91,10 @@ class Settlements:
     async def requeue(self, message: AbstractIncomingMessage) -> None:
         """Return ``message`` to its queue (``basic.nack`` with requeue)."""
         async with self._issuing:
-            self._forget(message)
+            channel = _channel_of(message)
+            if channel is not None and message.delivery_tag is not None:
+                self._channels.setdefault(channel, _Channel()).settled(message.delivery_tag)
             await _issue(message.nack(requeue=True))
-
-    def _forget(self, message: AbstractIncomingMessage) -> None:
-        channel = _channel_of(message)
-        if channel is not None and message.delivery_tag is not None:
-            self._unsettled.get(channel, set()).discard(message.delivery_tag)
 
 
 def _channel_of(message: AbstractIncomingMessage) -> Any:

@@ -201,7 +201,6 @@ class Consumer:
                 log.debug("cancelling the consumer failed", exc_info=True)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
-        self.settlements.received(message)
         self._pending.append(message)
         self._arrived.set()
 

@@ -1,0 +1,77 @@
+"""The settling rules alone: which acks become one multiple-ack, with stand-in deliveries that
+record what they were sent (the consumer tests cover real channels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from worker.acks import Settlements
+
+
+@dataclass(eq=False)
+class Channel:
+    sent: list[tuple[str, int, bool]] = field(default_factory=list)
+
+
+@dataclass
+class Delivery:
+    """The part of an aio-pika delivery that settling uses."""
+
+    channel: Channel
+    delivery_tag: int
+    message_id: str = "m"
+
+    async def ack(self, multiple: bool = False) -> None:
+        self.channel.sent.append(("ack", self.delivery_tag, multiple))
+
+    async def nack(self, requeue: bool = True) -> None:
+        self.channel.sent.append(("nack", self.delivery_tag, False))
+
+
+def deliveries(channel: Channel, *tags: int) -> list[Delivery]:
+    return [Delivery(channel, tag) for tag in tags]
+
+
+async def test_a_run_from_the_first_tag_is_one_multiple_ack() -> None:
+    channel, settlements = Channel(), Settlements()
+    assert await settlements.ack(deliveries(channel, 3, 1, 2)) == 1  # type: ignore[arg-type]
+    assert channel.sent == [("ack", 3, True)]
+
+
+async def test_a_gap_keeps_the_deliveries_after_it_single() -> None:
+    # Given tags 1-3 committed while 4 is still running, and 5-6 committed
+    channel, settlements = Channel(), Settlements()
+    await settlements.ack(deliveries(channel, 1, 2, 3))
+    # When 5 and 6 are acked, 4 unsettled
+    assert await settlements.ack(deliveries(channel, 5, 6)) == 0  # type: ignore[arg-type]
+    # And when 4 and 7 come, the run resumes over the individually settled 5 and 6
+    assert await settlements.ack(deliveries(channel, 7, 4)) == 1  # type: ignore[arg-type]
+    assert channel.sent == [
+        ("ack", 3, True),
+        ("ack", 5, False),
+        ("ack", 6, False),
+        ("ack", 7, True),
+    ]
+
+
+async def test_a_tag_never_seen_is_never_covered_by_a_multiple_ack() -> None:
+    # Given tag 1 dropped by the client (it never reached the worker) and 2-4 committed
+    channel, settlements = Channel(), Settlements()
+    assert await settlements.ack(deliveries(channel, 2, 3, 4)) == 0  # type: ignore[arg-type]
+    # Then each was acked alone, and 1 stays unsettled for the broker to redeliver
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False), ("ack", 4, False)]
+
+
+async def test_a_requeued_delivery_counts_as_settled() -> None:
+    channel, settlements = Channel(), Settlements()
+    [first, second, third] = deliveries(channel, 1, 2, 3)
+    await settlements.requeue(first)  # type: ignore[arg-type]
+    assert await settlements.ack([second, third]) == 1  # type: ignore[list-item]
+    assert channel.sent == [("nack", 1, False), ("ack", 3, True)]
+
+
+async def test_channels_are_counted_apart() -> None:
+    old, new, settlements = Channel(), Channel(), Settlements()
+    await settlements.ack([*deliveries(old, 1, 2), *deliveries(new, 1, 2)])  # type: ignore[list-item]
+    assert old.sent == [("ack", 2, True)]
+    assert new.sent == [("ack", 2, True)]
