@@ -28,11 +28,15 @@ over the drain's wall time: near 100 % means one core spent in Python, the clien
 Each drain may take ``--timeout`` seconds (default 120 + 20 ms per message); a scenario that
 takes longer is reported as not finished, and the others still run.
 
-Run time on a 2-core machine with both services on it: about 4 minutes with ``--messages
-10000``; the default 50,000 would take roughly 17 (most of it in (c) and (d) at 100-200 msg/s).
+``--inbox-rows N`` adds (c+): (c) again after filling the inbox with N completed keys of earlier
+messages (10,000,000 takes about 2 minutes to write), against (c) for the ratio c+/c.
+
+Run time on a 2-core machine with both services on it: about 1 minute with ``--messages
+10000``, about 4 with the default 50,000.
 
 ``latency``: the worker as in (c), offered ``--latency-rate`` requests per second (1000) for
-``--latency-seconds`` on absolute deadlines, each with its wall-clock publish time in the
+``--latency-seconds`` on absolute deadlines by a producer in a spawned process (in this event
+loop it would compete with the worker for it), each with its wall-clock publish time in the
 ``x-bench-published-at`` header. Two delays per request, nearest-rank percentiles:
 
 - publish -> commit: until the consumer's after-commit debug record for its key (logged after the
@@ -46,6 +50,7 @@ migrated and dropped at the end; exchanges and queues on ``WORKER_AMQP_URL`` are
 ``bench-<hex>-<scenario>...`` and deleted at the end of each scenario. From the repository root::
 
     .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,latency]
+        [--inbox-rows 10000000] [--quick]
 """
 
 from __future__ import annotations
@@ -828,7 +833,7 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("a", "aio-pika consume+ack, no database", bare_consume),
     ("b", "naive asyncpg, 1 tx per message", naive_consume),
     ("c", "worker, relay off", worker_relay_off),
-    ("c+", "worker, relay off, --inbox-rows in inbox", worker_relay_off_full_inbox),
+    ("c+", "worker, relay off, full inbox", worker_relay_off_full_inbox),
     ("d", "worker + relay, events downstream", worker_with_relay),
     ("e", "relay draining the outbox", relay_alone),
     ("bare", "bare publish+confirm (aio-pika)", bare_publish),
