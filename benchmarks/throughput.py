@@ -32,7 +32,7 @@ takes longer is reported as not finished, and the others still run.
 messages (10,000,000 takes about 2 minutes to write), against (c) for the ratio c+/c.
 
 Run time on a 2-core machine with both services on it: about 1 minute with ``--messages
-10000``, about 4 with the default 50,000.
+10000``, about 5 with the default 50,000.
 
 ``latency``: the worker as in (c), offered ``--latency-rate`` requests per second (1000) for
 ``--latency-seconds`` on absolute deadlines by a producer in a spawned process (in this event
