@@ -238,8 +238,9 @@ class Consumer:
     async def handle_batch(self, messages: list[AbstractIncomingMessage]) -> None:
         """Process deliveries to their end, those that can share one in one transaction.
 
-        A delivery whose checks fail is parked at once; a workflow's runs alone. The others are
-        processed together (``unit_of_work.process_batch``) and acked after its commit. If the
+        The deliveries that pass their checks are processed together
+        (``unit_of_work.process_batch``) and acked after its commit; then those that failed
+        their checks are parked, and workflows run, each alone. If the
         batch fails in any way, each of its deliveries is processed again in a transaction of
         its own, so only the failing one takes the failure path.
         """
@@ -248,6 +249,8 @@ class Consumer:
                 await self.handle(message)
             return
         together: list[tuple[AbstractIncomingMessage, Envelope]] = []
+        rejected: list[tuple[AbstractIncomingMessage, Delivery, Rejected]] = []
+        alone: list[AbstractIncomingMessage] = []
         for message in messages:
             delivery = delivery_from_amqp(message)
             try:
@@ -255,17 +258,21 @@ class Consumer:
                     delivery, self.router, max_body_bytes=self.settings.max_body_bytes
                 )
             except Rejected as exc:
-                with logs.message_context(delivery):
-                    await self._failed(message, delivery, None, exc)
+                rejected.append((message, delivery, exc))
                 continue
             if envelope.handler.workflow:
-                await self.handle(message)
+                alone.append(message)
             else:
                 together.append((message, envelope))
         if len(together) == 1:
-            await self.handle(together[0][0])
+            alone.insert(0, together[0][0])
         elif together:
             await self._process_together(together)
+        for message, delivery, rejection in rejected:
+            with logs.message_context(delivery):
+                await self._failed(message, delivery, None, rejection)
+        for message in alone:  # workflows, each its own run
+            await self.handle(message)
 
     async def _process_together(
         self, together: list[tuple[AbstractIncomingMessage, Envelope]]
