@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -338,6 +338,23 @@ RETRY_DELAY_CAP_SECONDS = 300.0
 """A failed outbox row is retried at least this often, however many attempts it has had."""
 
 
+async def _lock_ordering_keys(
+    conn: AsyncConnection, ordering_keys: Iterable[str], *, notify: bool
+) -> None:
+    """Take the ordering keys' advisory locks, held until commit, in sorted order (so two
+    transactions cannot deadlock on them), and with ``notify`` queue one NOTIFY for relays; one
+    round trip, of one statement text whatever the keys."""
+    keys = sorted(ordering_keys)
+    if not keys and not notify:
+        return
+    locked = func.unnest(bindparam("keys", type_=ARRAY(Text))).table_valued("key").render_derived()
+    lock = func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(locked.c.key))
+    stmt = select(func.count(lock)).select_from(locked)  # locks taken in the array's order
+    if notify:
+        stmt = stmt.add_columns(func.pg_notify(OUTBOX_CHANNEL, ""))
+    await conn.execute(stmt, {"keys": keys})
+
+
 async def append_outbox(
     conn: AsyncConnection, messages: Sequence[OutboxMessage], *, notify: bool = False
 ) -> None:
@@ -350,18 +367,8 @@ async def append_outbox(
     """
     if not messages:
         return
-    # One round trip, of one statement text whatever the keys, for the locks (taken in the
-    # sorted array's order) and the notification.
-    ordering_keys = sorted({m.ordering_key for m in messages if m.ordering_key is not None})
-    if ordering_keys or notify:
-        locked = (
-            func.unnest(bindparam("keys", type_=ARRAY(Text))).table_valued("key").render_derived()
-        )
-        lock = func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(locked.c.key))
-        stmt = select(func.count(lock)).select_from(locked)
-        if notify:
-            stmt = stmt.add_columns(func.pg_notify(OUTBOX_CHANNEL, ""))
-        await conn.execute(stmt, {"keys": ordering_keys})
+    ordering_keys = {m.ordering_key for m in messages if m.ordering_key is not None}
+    await _lock_ordering_keys(conn, ordering_keys, notify=notify)
     await conn.execute(
         insert(outbox),
         [
@@ -526,8 +533,7 @@ async def delete_expired_keys(conn: AsyncConnection, *, retention: float, limit:
         select(inbox.c.handler, inbox.c.key)
         .where(
             inbox.c.status.in_(("completed", "failed")),
-            inbox.c.updated_at
-            < func.now() - func.make_interval(0, 0, 0, 0, 0, 0, bindparam("retention", retention)),
+            inbox.c.updated_at < func.now() - _seconds(retention),
         )
         .order_by(inbox.c.updated_at)
         .limit(limit)
@@ -654,14 +660,7 @@ async def retry_parked_outbox(
         .distinct()
         .where(*which, outbox_parked.c.ordering_key.is_not(None))
     )
-    before_insert = [
-        func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(key))
-        for key in sorted(key for (key,) in await conn.execute(keys))
-    ]
-    if notify:
-        before_insert.append(func.pg_notify(OUTBOX_CHANNEL, ""))
-    if before_insert:
-        await conn.execute(select(*before_insert))
+    await _lock_ordering_keys(conn, (key for (key,) in await conn.execute(keys)), notify=notify)
     # A row parked by a relay after the keys were read is moved too, its key perhaps unlocked:
     # it then lands among its key's rows near, not exactly at, this commit.
     columns = [c.name for c in outbox_parked.c if c.name not in {"id", "attempts", "parked_at"}]
