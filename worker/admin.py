@@ -23,14 +23,14 @@ from typing import Any, TypeVar
 import aio_pika
 from aio_pika.abc import AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import queries
 from worker.database import create_engine
-from worker.logs import redact_text
+from worker.logs import describe_error
 from worker.settings import Settings, format_duration, redact
 from worker.tables import INBOX_STATUSES
+from worker.topology import worker_queues
 
 STATUS_TIMEOUT = 10.0
 """Seconds each part of ``status`` (database, broker) may take before it counts as unreachable."""
@@ -92,18 +92,6 @@ class Status:
     queues: list[QueueStatus] | None
     database: DatabaseStatus | None
     errors: dict[str, str]
-
-
-def worker_queues(settings: Settings) -> list[tuple[str, str]]:
-    """(role, name) of the work queue, the dead-letter queue and each delayed-retry queue."""
-    return [
-        ("work", settings.queue),
-        ("dead letters", settings.dead_letter_queue),
-        *(
-            (f"retry {format_duration(delay)}", settings.retry_queue(delay))
-            for delay in settings.retry_delays
-        ),
-    ]
 
 
 async def queue_status(connection: AbstractConnection, settings: Settings) -> list[QueueStatus]:
@@ -201,16 +189,8 @@ async def _part(
     except TimeoutError:
         errors[part] = f"{failure}: no answer within {format_duration(answer_within)}"
     except Exception as exc:
-        errors[part] = redact_text(f"{failure}: {_cause(exc)}")
+        errors[part] = f"{failure}: {describe_error(exc)}"
     return None
-
-
-def _cause(exc: Exception) -> str:
-    """The exception's type and text; for a database error, the driver's (without the SQL)."""
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        driver = exc.orig.__cause__ or exc.orig
-        return f"{type(driver).__name__}: {exc.orig}"
-    return f"{type(exc).__name__}: {exc}"
 
 
 async def parked_outbox(settings: Settings, *, limit: int) -> list[queries.ParkedOutboxRow]:

@@ -37,8 +37,8 @@ async def check_durable_commits(engine: AsyncEngine) -> None:
             )
 
 
-async def probe(engine: AsyncEngine) -> None:
-    """``SELECT 1`` on a pooled connection within ``PROBE_TIMEOUT``; raises when PostgreSQL does
-    not answer (the one check behind the consumer's pause and ``/healthz``)."""
-    async with asyncio.timeout(PROBE_TIMEOUT), engine.connect() as conn:
+async def probe(engine: AsyncEngine, *, within: float = PROBE_TIMEOUT) -> None:
+    """``SELECT 1`` on a pooled connection within ``within`` seconds; raises when PostgreSQL does
+    not answer (the one check behind the consumer's pause, ``/healthz`` and ``worker verify``)."""
+    async with asyncio.timeout(within), engine.connect() as conn:
         await queries.ping(conn)

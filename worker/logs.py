@@ -18,6 +18,8 @@ from datetime import UTC, datetime
 from types import MappingProxyType
 from typing import Any
 
+from sqlalchemy.exc import DBAPIError
+
 from worker.envelope import Delivery, Envelope
 from worker.settings import Settings
 
@@ -34,6 +36,15 @@ _PASSWORD_IN_URL = re.compile(r"(?P<prefix>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)
 def redact_text(text: str) -> str:
     """``text`` with the password of every URL in it replaced by ``***``."""
     return _PASSWORD_IN_URL.sub(r"\g<prefix>***@", text)
+
+
+def describe_error(exc: BaseException) -> str:
+    """The exception's type and text (for a database error, the driver's, without the SQL), with
+    the password of any URL in it redacted: fit for a log, a status report or a check."""
+    if isinstance(exc, DBAPIError) and exc.orig is not None:
+        driver = exc.orig.__cause__ or exc.orig
+        return redact_text(f"{type(driver).__name__}: {exc.orig}")
+    return redact_text(f"{type(exc).__name__}: {exc}")
 
 
 @contextlib.contextmanager

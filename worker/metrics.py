@@ -382,7 +382,6 @@ class Monitor:
         engine: AsyncEngine,
         connection: AbstractConnection,
         metrics: Metrics,
-        health: Health | None = None,
         *,
         consuming: Callable[[], bool] | None = None,
         port: int | None = None,
@@ -393,7 +392,7 @@ class Monitor:
         self.engine = engine
         self.connection = connection
         self.metrics = metrics
-        self.health = Health() if health is None else health
+        self.health = Health()
         self.consuming = consuming
         self.interval = interval
         self.inbox_interval = inbox_interval

@@ -105,9 +105,7 @@ async def _open_monitor(
     stack.push_async_callback(engine.dispose)
     monitor = Monitor(settings, engine, connection, metrics, consuming=consuming)
     stack.push_async_callback(monitor.close)
-    port = await monitor.start()
-    if port is not None:
-        log.info("serving /healthz and /metrics on %s:%d", settings.http_host, port)
+    await monitor.start()  # (it logs where it listens)
     return monitor
 
 

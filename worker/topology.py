@@ -19,7 +19,7 @@ from typing import Any
 from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-from worker.settings import Settings
+from worker.settings import Settings, format_duration
 
 
 @dataclass(frozen=True)
@@ -79,10 +79,22 @@ async def declare_topology(
     return Topology(channel, exchange, queue, dlx, dlq, tuple(retry_queues))
 
 
+def worker_queues(settings: Settings) -> list[tuple[str, str]]:
+    """(role, name) of every queue ``declare_topology`` declares: the work queue, the
+    dead-letter queue and each delayed-retry queue."""
+    return [
+        ("work", settings.queue),
+        ("dead letters", settings.dead_letter_queue),
+        *(
+            (f"retry {format_duration(delay)}", settings.retry_queue(delay))
+            for delay in settings.retry_delays
+        ),
+    ]
+
+
 def queue_names(settings: Settings) -> list[str]:
-    """Every queue ``declare_topology`` declares: work, dead letters, each delayed retry."""
-    retry_queues = [settings.retry_queue(delay) for delay in settings.retry_delays]
-    return [settings.queue, settings.dead_letter_queue, *retry_queues]
+    """The names of ``worker_queues``."""
+    return [name for _, name in worker_queues(settings)]
 
 
 async def delete_topology(channel: AbstractChannel, settings: Settings) -> None:

@@ -16,7 +16,6 @@ payments example drains ``capture_queue``).
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import importlib.util
 import inspect
@@ -30,14 +29,13 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import admin, queries
+from worker import admin, database, queries
 from worker.database import create_engine
 from worker.dead_letters import list_parked
 from worker.errors import ConfigurationError
-from worker.logs import redact_text
+from worker.logs import describe_error
 from worker.plugins import installed_targets
 from worker.router import Router
 from worker.settings import Settings, format_duration, redact
@@ -111,7 +109,7 @@ async def verify(
         try:
             check = await invariant(deployment)
         except Exception as exc:
-            check = Check(name_of(invariant), False, f"could not check: {cause(exc)}")
+            check = Check(name_of(invariant), False, f"could not check: {describe_error(exc)}")
         if check is not None:
             checks.append(check)
     return checks
@@ -133,8 +131,7 @@ async def check_deployment(
     try:
         unreachable: list[Check] = []
         try:
-            async with asyncio.timeout(answer_within), engine.connect() as conn:
-                await queries.ping(conn)
+            await database.probe(engine, within=answer_within)
         except Exception as exc:
             failure = f"cannot read PostgreSQL at {redact(settings.database_url)}"
             unreachable.append(Check("database", False, _unreachable(failure, exc, answer_within)))
@@ -159,16 +156,7 @@ async def check_deployment(
 def _unreachable(failure: str, exc: Exception, answer_within: float) -> str:
     if isinstance(exc, TimeoutError):
         return f"{failure}: no answer within {format_duration(answer_within)}"
-    return f"{failure}: {cause(exc)}"
-
-
-def cause(exc: Exception) -> str:
-    """The exception's type and text (a database error's driver error, without the SQL), with
-    any password in a URL redacted."""
-    if isinstance(exc, DBAPIError) and exc.orig is not None:
-        driver = exc.orig.__cause__ or exc.orig
-        return redact_text(f"{type(driver).__name__}: {exc.orig}")
-    return redact_text(f"{type(exc).__name__}: {exc}")
+    return f"{failure}: {describe_error(exc)}"
 
 
 def name_of(invariant: Invariant) -> str:
