@@ -39,6 +39,12 @@ def _finite_float(text: str) -> float:
 
 def decode_json(body: bytes, content_type: str | None = None) -> Any:
     """The JSON value in ``body``; raises ``UndecodableBody`` saying why it is not one."""
+    return decode_fingerprinted(body, content_type)[0]
+
+
+def decode_fingerprinted(body: bytes, content_type: str | None = None) -> tuple[Any, bytes]:
+    """The JSON value in ``body`` and its ``fingerprint``, from one canonical encoding; raises
+    ``UndecodableBody`` saying why it is not JSON."""
     if not is_json_content_type(content_type):
         raise UndecodableBody(f"unsupported content type {content_type!r}; expected JSON")
     try:
@@ -50,11 +56,10 @@ def decode_json(body: bytes, content_type: str | None = None) -> Any:
     except (ValueError, RecursionError) as exc:
         raise UndecodableBody(f"body is not JSON: {exc}") from exc
     try:
-        canonical_json(value)
+        return value, fingerprint(value)
     except UnicodeEncodeError as exc:
         # an escaped lone surrogate ("\ud800") is valid JSON syntax but not a character
         raise UndecodableBody(f"body is not JSON text: {exc.reason} in a string") from exc
-    return value
 
 
 def to_jsonable(value: Any) -> Any:

@@ -244,35 +244,31 @@ class Consumer:
         batch fails in any way, each of its deliveries is processed again in a transaction of
         its own, so only the failing one takes the failure path.
         """
-        if self.paused or len(messages) == 1:
+        if self.paused:
             for message in messages:
-                await self.handle(message)
+                routed = self.router.find(delivery_from_amqp(message).routing_key)
+                await self._requeue(message, routed.name if routed is not None else None)
             return
         together: list[tuple[AbstractIncomingMessage, Envelope]] = []
+        alone: list[tuple[AbstractIncomingMessage, Envelope]] = []
         rejected: list[tuple[AbstractIncomingMessage, Delivery, Rejected]] = []
-        alone: list[AbstractIncomingMessage] = []
         for message in messages:
             delivery = delivery_from_amqp(message)
             try:
-                envelope = open_envelope(
-                    delivery, self.router, max_body_bytes=self.settings.max_body_bytes
-                )
+                envelope = self._open(delivery)
             except Rejected as exc:
                 rejected.append((message, delivery, exc))
                 continue
-            if envelope.handler.workflow:
-                alone.append(message)
-            else:
-                together.append((message, envelope))
-        if len(together) == 1:
-            alone.insert(0, together[0][0])
-        elif together:
+            (alone if envelope.handler.workflow else together).append((message, envelope))
+        if len(together) > 1:
             await self._process_together(together)
+        else:
+            alone[:0] = together
         for message, delivery, rejection in rejected:
             with logs.message_context(delivery):
                 await self._failed(message, delivery, None, rejection)
-        for message in alone:  # workflows, each its own run
-            await self.handle(message)
+        for message, envelope in alone:  # a lone message, and workflows: each its own run
+            await self._process_alone(message, envelope)
 
     async def _process_together(
         self, together: list[tuple[AbstractIncomingMessage, Envelope]]
@@ -306,16 +302,15 @@ class Consumer:
                 exc,
             )
             self.stats["batch_retried_alone"] += 1
-            for message, _ in together:
-                await self.handle(message)
+            for message, envelope in together:
+                await self._process_alone(message, envelope)
             return
         crash_point(CONSUMER_AFTER_COMMIT, len(together))
         self.metrics.batch(len(together))
         committed: list[AbstractIncomingMessage] = []
         for (message, envelope), end in zip(together, ends, strict=True):
             if isinstance(end, KeyReused):
-                with logs.message_context(envelope.delivery):
-                    logs.identify(envelope)
+                with logs.message_context(envelope.delivery, envelope):
                     await self._failed(message, envelope.delivery, envelope, end)
                 continue
             self._count(envelope, end)
@@ -334,57 +329,54 @@ class Consumer:
             envelope.delivery.message_id,
         )
 
-    async def handle(self, message: AbstractIncomingMessage) -> None:
-        """Process one delivery to its end: acked after commit, retried later, parked, or
-        returned to the queue while the database is unreachable."""
-        if self.paused:
-            await self._requeue(message)
-            return
-        delivery = delivery_from_amqp(message)
-        with logs.message_context(delivery):
-            await self._handle(message, delivery)
+    def _open(self, delivery: Delivery) -> Envelope:
+        return open_envelope(delivery, self.router, max_body_bytes=self.settings.max_body_bytes)
 
-    async def _handle(self, message: AbstractIncomingMessage, delivery: Delivery) -> None:
-        envelope: Envelope | None = None
-        try:
-            envelope = open_envelope(
-                delivery, self.router, max_body_bytes=self.settings.max_body_bytes
-            )
-            logs.identify(envelope)
-            crash_point(CONSUMER_BEFORE_CLAIM)
-            with (
-                tracing.span(
-                    f"{delivery.routing_key} process",
-                    {
-                        "messaging.system": "rabbitmq",
-                        "messaging.message.id": delivery.message_id,
-                        "messaging.message.conversation_id": delivery.correlation_id,
-                        "messaging.rabbitmq.destination.routing_key": delivery.routing_key,
-                        "worker.handler": envelope.handler.name,
-                        "worker.idempotency_key": envelope.key,
-                        "worker.attempt": delivery.attempt,
-                    },
-                    parent_headers=delivery.headers,
-                ) as span,
-                self.metrics.transaction(envelope.handler.name),
-            ):
-                outcome: Outcome = await backoff.in_process(self.settings.transient_attempts, log)(
-                    workflows.apply,
-                    self.engine,
-                    envelope,
-                    default_exchange=self.settings.exchange,
-                    lease=self.settings.workflow_lease,
-                    notify=self.settings.outbox_notify,
-                    on_events=self.on_events,
-                )
-                tracing.set_attribute(span, "worker.outcome", outcome.value)
-        except Exception as exc:
-            await self._failed(message, delivery, envelope, exc)
+    async def _process_alone(self, message: AbstractIncomingMessage, envelope: Envelope) -> None:
+        """One checked delivery in a unit of work of its own (a workflow's run, or one
+        transaction), retried in process while it fails transiently."""
+        if self.paused:  # (after a failed batch, the database may be what failed)
+            await self._requeue(message, envelope.handler.name)
             return
-        crash_point(CONSUMER_AFTER_COMMIT)
-        self.metrics.batch(1)
-        self._count(envelope, outcome)
-        await self.settlements.ack_one(message)
+        delivery = envelope.delivery
+        with logs.message_context(delivery, envelope):
+            try:
+                crash_point(CONSUMER_BEFORE_CLAIM)
+                with (
+                    tracing.span(
+                        f"{delivery.routing_key} process",
+                        {
+                            "messaging.system": "rabbitmq",
+                            "messaging.message.id": delivery.message_id,
+                            "messaging.message.conversation_id": delivery.correlation_id,
+                            "messaging.rabbitmq.destination.routing_key": delivery.routing_key,
+                            "worker.handler": envelope.handler.name,
+                            "worker.idempotency_key": envelope.key,
+                            "worker.attempt": delivery.attempt,
+                        },
+                        parent_headers=delivery.headers,
+                    ) as span,
+                    self.metrics.transaction(envelope.handler.name),
+                ):
+                    outcome: Outcome = await backoff.in_process(
+                        self.settings.transient_attempts, log
+                    )(
+                        workflows.apply,
+                        self.engine,
+                        envelope,
+                        default_exchange=self.settings.exchange,
+                        lease=self.settings.workflow_lease,
+                        notify=self.settings.outbox_notify,
+                        on_events=self.on_events,
+                    )
+                    tracing.set_attribute(span, "worker.outcome", outcome.value)
+            except Exception as exc:
+                await self._failed(message, delivery, envelope, exc)
+                return
+            crash_point(CONSUMER_AFTER_COMMIT)
+            self.metrics.batch(1)
+            self._count(envelope, outcome)
+            await self.settlements.ack_one(message)
 
     async def _failed(
         self,
@@ -401,7 +393,7 @@ class Consumer:
         checked_before_the_database = isinstance(exc, Rejected) and envelope is None
         if not checked_before_the_database and not await self._database_answers():
             await self._pause()
-            await self._requeue(message)
+            await self._requeue(message, failure.handler)
             return
         if is_transient(exc):
             if failure.attempts <= len(self.settings.retry_delays):
@@ -427,7 +419,7 @@ class Consumer:
             )
         except Exception:
             log.exception("could not schedule a retry of message %s", message.message_id)
-            await self._requeue(message)
+            await self._requeue(message, failure.handler)
             return
         self.stats["retry_scheduled"] += 1
         self.metrics.message(failure.handler, "retry_scheduled")
@@ -465,7 +457,7 @@ class Consumer:
             log.exception(
                 "could not park message %s; returning it to the queue", message.message_id
             )
-            await self._requeue(message)
+            await self._requeue(message, failure.handler)
             return
         self.stats["dead_lettered"] += 1
         self.stats[f"dead_lettered:{reason}"] += 1
@@ -525,8 +517,7 @@ class Consumer:
         finally:
             self._resuming = None
 
-    async def _requeue(self, message: AbstractIncomingMessage) -> None:
+    async def _requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
         self.stats["requeued"] += 1
-        handler = self.router.find(delivery_from_amqp(message).routing_key)
-        self.metrics.message(handler.name if handler is not None else None, "requeued")
+        self.metrics.message(handler, "requeued")
         await self.settlements.requeue(message)

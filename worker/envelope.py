@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.codec import decode_json, fingerprint
+from worker.codec import decode_fingerprinted
 from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler
 from worker.router import Handler, Router
 
@@ -99,6 +99,6 @@ def open_envelope(delivery: Delivery, router: Router, *, max_body_bytes: int) ->
     if handler is None:
         raise NoHandler(f"no handler for routing key {delivery.routing_key!r}")
     key = idempotency_key(delivery)
-    value = decode_json(delivery.body, delivery.content_type)
+    value, digest = decode_fingerprinted(delivery.body, delivery.content_type)
     payload = handler.validate(value)
-    return Envelope(delivery, handler, key, payload, fingerprint(value))
+    return Envelope(delivery, handler, key, payload, digest)

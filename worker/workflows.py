@@ -146,7 +146,12 @@ async def run(
             )
             if not taken:
                 raise WorkflowBusy(f"workflow {envelope.key!r} is running in another delivery")
-        outputs = await queries.workflow_outputs(conn, handler.name, envelope.key)
+        # a key claimed just now has no steps (they cascade with its inbox row)
+        outputs = (
+            {}
+            if existing is None
+            else await queries.workflow_outputs(conn, handler.name, envelope.key)
+        )
     if outputs:
         log.info(
             "resuming workflow %s of %s after %d steps", envelope.key, handler.name, len(outputs)
