@@ -28,8 +28,8 @@ from aio_pika.abc import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import queries
-from worker.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, idempotency_key
-from worker.errors import HandlerFailed, Rejected
+from worker.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, key_or_none
+from worker.errors import HandlerFailed
 from worker.router import Handler
 from worker.settings import Settings
 
@@ -65,11 +65,10 @@ class Failure:
     @classmethod
     def of(cls, delivery: Delivery, exc: Exception, handler: Handler | None) -> Failure:
         """The failure ``exc`` of ``delivery``; a handler's own exception names its type."""
-        cause = exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
         return cls(
             delivery,
             error=str(exc) or repr(exc),
-            exception_type=type(cause).__name__,
+            exception_type=type(cause_of(exc)).__name__,
             handler=handler.name if handler is not None else None,
         )
 
@@ -97,6 +96,15 @@ class Failure:
             headers[HANDLER] = self.handler
         return headers
 
+    def dead_letter_headers(self, reason: str) -> dict[str, Any]:
+        """``headers`` of the copy parked in the dead-letter queue for ``reason``."""
+        return self.headers(**{REASON: reason, DEAD_LETTERED_AT: datetime.now(UTC).isoformat()})
+
+
+def cause_of(exc: BaseException) -> BaseException:
+    """The exception a failure is about: a handler's own, rather than its ``HandlerFailed``."""
+    return exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
+
 
 def copy_of(message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> Message:
     """A persistent copy of ``message`` with ``headers`` instead of its own."""
@@ -122,9 +130,10 @@ async def park(
     reason: str,
 ) -> None:
     """Publish a copy of ``message`` to the dead-letter exchange; return after the confirm."""
-    headers = failure.headers(**{REASON: reason, DEAD_LETTERED_AT: datetime.now(UTC).isoformat()})
     await dead_letter_exchange.publish(
-        copy_of(message, headers), routing_key=failure.delivery.routing_key, mandatory=True
+        copy_of(message, failure.dead_letter_headers(reason)),
+        routing_key=failure.delivery.routing_key,
+        mandatory=True,
     )
 
 
@@ -182,13 +191,10 @@ class Parked:
 
 def key_of(message: AbstractIncomingMessage) -> str | None:
     """The message's idempotency key, or None when it has no valid one."""
-    delivery = Delivery(
-        body=b"", routing_key="", headers=message.headers or {}, message_id=message.message_id
+    headers = message.headers or {}
+    return key_or_none(
+        Delivery(body=b"", routing_key="", headers=headers, message_id=message.message_id)
     )
-    try:
-        return idempotency_key(delivery)
-    except Rejected:
-        return None
 
 
 @contextlib.asynccontextmanager

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.codec import decode_fingerprinted
-from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler
+from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler, Rejected
 from worker.router import Handler, Router
 
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
@@ -89,6 +89,14 @@ def idempotency_key(delivery: Delivery) -> str:
     if "\x00" in raw:
         raise InvalidKey("idempotency key contains a NUL character")
     return raw
+
+
+def key_or_none(delivery: Delivery) -> str | None:
+    """The delivery's idempotency key, or None when it has no valid one."""
+    try:
+        return idempotency_key(delivery)
+    except Rejected:
+        return None
 
 
 def open_envelope(delivery: Delivery, router: Router, *, max_body_bytes: int) -> Envelope:

@@ -41,7 +41,6 @@ import logging
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
@@ -50,15 +49,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, queries, schema, workflows
 from worker.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
-from worker.dead_letters import DEAD_LETTERED_AT, REASON, Failure
+from worker.dead_letters import Failure, cause_of
 from worker.envelope import (
     IDEMPOTENCY_KEY_HEADER,
     Delivery,
     Envelope,
-    idempotency_key,
+    key_or_none,
     open_envelope,
 )
-from worker.errors import HandlerFailed, KeyReused, Rejected
+from worker.errors import KeyReused, Rejected
 from worker.queries import OutboxRow
 from worker.relay import message_of
 from worker.router import Router
@@ -335,14 +334,12 @@ class Harness:
         return Delivered(
             delivery,
             "dead_lettered",
-            key=envelope.key if envelope is not None else _key_or_none(delivery),
+            key=envelope.key if envelope is not None else key_or_none(delivery),
             handler=failure.handler,
             reason=exc.reason,
             error=failure.error,
-            exception=exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc,
-            dead_letter_headers=failure.headers(
-                **{REASON: exc.reason, DEAD_LETTERED_AT: _now_iso()}
-            ),
+            exception=cause_of(exc),
+            dead_letter_headers=failure.dead_letter_headers(exc.reason),
         )
 
 
@@ -365,15 +362,3 @@ def published_of(row: OutboxRow) -> Published:
         causation_id=row.causation_id,
         ordering_key=row.ordering_key,
     )
-
-
-def _key_or_none(delivery: Delivery) -> str | None:
-    """The delivery's idempotency key, when it has a valid one."""
-    try:
-        return idempotency_key(delivery)
-    except Rejected:
-        return None
-
-
-def _now_iso() -> str:
-    return datetime.now(UTC).isoformat()
