@@ -26,7 +26,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import queries
-from worker.database import create_engine
+from worker.database import one_connection
 from worker.logs import describe_error
 from worker.settings import Settings, format_duration, redact
 from worker.tables import INBOX_STATUSES
@@ -232,11 +232,8 @@ async def retry_parked_outbox(settings: Settings, ids: Sequence[int] | None) -> 
 
 async def _with_engine(settings: Settings, use: Callable[[AsyncEngine], Awaitable[_T]]) -> _T:
     """``use`` a one-connection engine, disposed of afterwards."""
-    engine = create_engine(settings, application_name=APPLICATION_NAME, pool_size=1)
-    try:
+    async with one_connection(settings, APPLICATION_NAME) as engine:
         return await use(engine)
-    finally:
-        await engine.dispose()
 
 
 def to_json(value: Any) -> str:

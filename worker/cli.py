@@ -351,14 +351,11 @@ async def _until_signalled(serve: Callable[[asyncio.Event], Awaitable[object]]) 
 
 def _gc(settings: Settings, args: argparse.Namespace) -> int:
     from worker import janitor
-    from worker.database import create_engine
+    from worker.database import one_connection
 
     async def sweep() -> janitor.Sweep | None:
-        engine = create_engine(settings, application_name="worker-gc", pool_size=1)
-        try:
+        async with one_connection(settings, "worker-gc") as engine:
             return await janitor.sweep(engine, settings)
-        finally:
-            await engine.dispose()
 
     result = asyncio.run(sweep())
     if result is None:
@@ -372,24 +369,20 @@ def _gc(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _workflows(settings: Settings, args: argparse.Namespace) -> int:
-    import dataclasses
-    import json
-
-    from worker import queries
-    from worker.database import create_engine
+    from worker import admin, queries
+    from worker.database import one_connection
 
     async def fetch() -> list[queries.WorkflowState]:
-        engine = create_engine(settings, application_name="worker-admin", pool_size=1)
-        try:
-            async with engine.connect() as conn:
-                return await queries.in_progress_workflows(conn, args.limit)
-        finally:
-            await engine.dispose()
+        async with (
+            one_connection(settings, admin.APPLICATION_NAME) as engine,
+            engine.connect() as conn,
+        ):
+            return await queries.in_progress_workflows(conn, args.limit)
 
     states = asyncio.run(fetch())
     for state in states:
         if args.json:
-            print(json.dumps(dataclasses.asdict(state), default=str))
+            print(admin.to_json(state))
         else:
             print(
                 f"handler={state.handler} key={state.key} "
@@ -417,16 +410,13 @@ def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
 
 def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
     from worker import dead_letters
-    from worker.database import create_engine
+    from worker.database import one_connection
 
     async def replay(connection: AbstractRobustConnection) -> list[dead_letters.Parked]:
-        engine = create_engine(settings, application_name="worker-dlq", pool_size=1)
-        try:
+        async with one_connection(settings, "worker-dlq") as engine:
             return await dead_letters.replay(
                 connection, engine, settings, limit=args.limit, key=args.key
             )
-        finally:
-            await engine.dispose()
 
     replayed = asyncio.run(_with_broker(settings, replay))
     for message in replayed:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -25,6 +27,16 @@ def create_engine(
         pool_timeout=60,
         connect_args={"server_settings": {"application_name": application_name}},
     )
+
+
+@contextlib.asynccontextmanager
+async def one_connection(settings: Settings, application_name: str) -> AsyncIterator[AsyncEngine]:
+    """A one-connection engine for a command or a check, disposed of on exit."""
+    engine = create_engine(settings, application_name=application_name, pool_size=1)
+    try:
+        yield engine
+    finally:
+        await engine.dispose()
 
 
 async def check_durable_commits(engine: AsyncEngine) -> None:

@@ -32,7 +32,6 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import admin, database, queries
-from worker.database import create_engine
 from worker.dead_letters import list_parked
 from worker.errors import ConfigurationError
 from worker.logs import describe_error
@@ -126,9 +125,7 @@ async def check_deployment(
     """``verify`` on connections of its own, closed afterwards. When PostgreSQL or RabbitMQ does
     not answer within ``answer_within`` seconds, only a failed ``database`` or ``broker`` check is
     returned for each: nothing else can be told."""
-    engine = create_engine(settings, application_name=APPLICATION_NAME, pool_size=1)
-    connection: AbstractRobustConnection | None = None
-    try:
+    async with database.one_connection(settings, APPLICATION_NAME) as engine:
         unreachable: list[Check] = []
         try:
             await database.probe(engine, within=answer_within)
@@ -144,13 +141,13 @@ async def check_deployment(
         except Exception as exc:
             failure = f"cannot reach RabbitMQ at {redact(settings.amqp_url)}"
             unreachable.append(Check("broker", False, _unreachable(failure, exc, answer_within)))
-        if unreachable or connection is None:
             return unreachable
-        return await verify(settings, router, engine, connection, options, invariants=invariants)
-    finally:
-        if connection is not None:
-            await connection.close()
-        await engine.dispose()
+        async with connection:
+            if unreachable:
+                return unreachable
+            return await verify(
+                settings, router, engine, connection, options, invariants=invariants
+            )
 
 
 def _unreachable(failure: str, exc: Exception, answer_within: float) -> str:
