@@ -40,8 +40,6 @@ async def rows(engine: AsyncEngine, sql: str, **params: Any) -> list[Any]:
 
 async def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.05) -> None:
     """Poll the async ``predicate`` until it returns true; fail after ``timeout`` seconds."""
-    import asyncio
-
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not await predicate():

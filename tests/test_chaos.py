@@ -23,7 +23,6 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import asyncpg
 import pytest
@@ -31,7 +30,8 @@ from aio_pika import Message
 from aio_pika.abc import AbstractQueue, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import broker_depth, payment, rows, scalar, wait_until, worker_environ
+from examples.payments.demo import DemoPlan, plan_payments
+from tests.helpers import broker_depth, rows, scalar, wait_until, worker_environ
 from tests.test_cli import WORKER_SCRIPT, run
 from tests.test_process import start_worker, wait_for_consumer
 from worker import faults
@@ -45,31 +45,12 @@ pytestmark = [
 PAYMENTS = {"WORKER_HANDLERS": "examples.payments"}
 
 
-@dataclass
-class Load:
-    """Payments to send, some of them more than once, and the balances they must produce."""
-
-    sends: list[dict[str, Any]]
-    unique: int
-    expected: dict[str, int]
-
-    @classmethod
-    def make(cls, count: int, duplicate_share: float = 0.2, seed: int = 5) -> Load:
-        rng = random.Random(seed)
-        unique_count = max(1, round(count * (1 - duplicate_share)))
-        unique = [
-            payment(f"c{seed}-{i}", f"acct-{rng.randrange(8)}", rng.randint(1, 999))
-            for i in range(unique_count)
-        ]
-        sends = unique + [rng.choice(unique) for _ in range(count - unique_count)]
-        rng.shuffle(sends)
-        expected: dict[str, int] = {}
-        for p in unique:
-            expected[p["account"]] = expected.get(p["account"], 0) + p["amount_cents"]
-        return cls(sends, unique_count, expected)
+def make_load(count: int, duplicate_share: float = 0.2, seed: int = 5) -> DemoPlan:
+    """Payments over 8 accounts, a share of them sent twice, and the balances they must give."""
+    return plan_payments(count, duplicate_share, 8, seed)
 
 
-async def publish_all(amqp: AbstractRobustConnection, settings: Settings, load: Load) -> int:
+async def publish_all(amqp: AbstractRobustConnection, settings: Settings, load: DemoPlan) -> int:
     """Publish every send with confirms, retrying one whose confirm was lost (a cut connection):
     a resend is just one more duplicate. Returns how many publishes were retried."""
     retried = 0
@@ -159,7 +140,9 @@ def processes(settings: Settings, tmp_path: Path) -> Iterator[Processes]:
     running.kill_all()
 
 
-async def wait_quiet(engine: AsyncEngine, settings: Settings, load: Load, timeout: float) -> None:
+async def wait_quiet(
+    engine: AsyncEngine, settings: Settings, load: DemoPlan, timeout: float
+) -> None:
     """Until every unique payment and its notice are committed, and outbox and queue are empty."""
 
     async def quiet() -> bool:
@@ -171,8 +154,8 @@ async def wait_quiet(engine: AsyncEngine, settings: Settings, load: Load, timeou
         notices = await scalar(engine, "SELECT count(*) FROM settlement_notices")
         outbox = await scalar(engine, "SELECT count(*) FROM outbox")
         return (
-            done == load.unique
-            and notices == load.unique
+            done == len(load.payments)
+            and notices == len(load.payments)
             and outbox == 0
             and await broker_depth(settings.queue) == 0
         )
@@ -181,13 +164,13 @@ async def wait_quiet(engine: AsyncEngine, settings: Settings, load: Load, timeou
 
 
 async def assert_promise_kept(
-    engine: AsyncEngine, settings: Settings, load: Load, capture: AbstractQueue
+    engine: AsyncEngine, settings: Settings, load: DemoPlan, capture: AbstractQueue
 ) -> dict[str, int]:
     """The invariants; returns figures about the run."""
     balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
-    assert balances == load.expected, "an effect was lost or applied twice"
-    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == load.unique
-    assert await scalar(engine, "SELECT count(*) FROM settlement_notices") == load.unique
+    assert balances == load.expected_balances, "an effect was lost or applied twice"
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == len(load.payments)
+    assert await scalar(engine, "SELECT count(*) FROM settlement_notices") == len(load.payments)
     stuck = await scalar(engine, "SELECT count(*) FROM inbox WHERE status <> 'completed'")
     assert stuck == 0, "an inbox row is stuck in progress or failed"
     assert await scalar(engine, "SELECT count(*) FROM outbox") == 0
@@ -196,7 +179,7 @@ async def assert_promise_kept(
     assert await broker_depth(settings.dead_letter_queue) == 0, "a message was dead-lettered"
     # the same invariants as an operator checks them on a deployment
     expected = Path(tempfile.mkdtemp()) / "expected.json"
-    expected.write_text(json.dumps(load.expected))
+    expected.write_text(json.dumps(load.expected_balances))
     verified = await asyncio.to_thread(
         run,
         WORKER_SCRIPT,
@@ -213,7 +196,7 @@ async def assert_promise_kept(
     missing = ledger - set(seen)
     assert not missing, f"{len(missing)} settled events never reached the downstream queue"
     return {
-        "payments": load.unique,
+        "payments": len(load.payments),
         "sends": len(load.sends),
         "settled_events_downstream": sum(seen.values()),
         "settled_events_repeated": sum(n - 1 for n in seen.values()),
@@ -244,7 +227,7 @@ async def test_a_kill_at_each_crash_point_then_a_restart_keeps_the_promise(
     victim: str,
     crash_at: str,
 ) -> None:
-    load = Load.make(300)
+    load = make_load(300)
     crash = {"WORKER_CRASH_AT": crash_at}
     # Given a worker (its relay off) and a relay, one of them armed to crash
     processes.start("worker", WORKER_RELAY="false", **(crash if victim == "worker" else {}))
@@ -333,7 +316,7 @@ async def test_a_soak_under_random_faults_keeps_the_promise(
     amqp: AbstractRobustConnection,
     processes: Processes,
 ) -> None:
-    load = Load.make(CHAOS_MESSAGES, duplicate_share=0.2, seed=7)
+    load = make_load(CHAOS_MESSAGES, duplicate_share=0.2, seed=7)
     chaos = Chaos()
     started = time.monotonic()
     # Given two workers (with their in-process relays) and two relays
@@ -350,7 +333,7 @@ async def test_a_soak_under_random_faults_keeps_the_promise(
 
         async def half_done() -> bool:
             done = await scalar(engine, "SELECT count(*) FROM settlement_notices")
-            return int(done) >= load.unique // 2
+            return int(done) >= len(load.payments) // 2
 
         await wait_until(half_done, timeout=600, interval=0.5)
         stop.set()

@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
 from tests.conftest import running_worker
-from tests.helpers import payment, scalar, wait_until
+from tests.helpers import payment, rows, scalar, wait_until
 from worker import Context, Router
 from worker.settings import Settings
 
@@ -84,9 +84,9 @@ async def test_a_burst_with_duplicates_changes_each_balance_once(
 
         # (each settlement's event comes back through the relay to the notice handler)
         await wait_until(all_noticed)
-        await wait_until(lambda: _queue_empty(channel, settings.queue))
+        await wait_until(lambda: queue_empty(channel, settings.queue))
 
-    balances = dict(await _rows(engine, "SELECT account, balance_cents FROM accounts"))
+    balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
     assert balances == expected
     assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == 240
     completed = "SELECT count(*) FROM inbox WHERE status = 'completed'"
@@ -96,14 +96,8 @@ async def test_a_burst_with_duplicates_changes_each_balance_once(
     assert await dead_letters(channel, settings) == []
 
 
-async def _queue_empty(channel: AbstractChannel, queue: str) -> bool:
+async def queue_empty(channel: AbstractChannel, queue: str) -> bool:
     return await ready_messages(channel, queue) == 0
-
-
-async def _rows(engine: AsyncEngine, sql: str) -> list[tuple[Any, ...]]:
-    from tests.helpers import rows
-
-    return [tuple(r) for r in await rows(engine, sql)]
 
 
 def _failing_router() -> Router:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -21,7 +21,7 @@ from tests.conftest import RunningWorker, running_worker
 from tests.helpers import broker_depth, payment, rows, scalar, wait_until, worker_environ
 from tests.tcp_proxy import tcp_proxy
 from tests.test_cli import WORKER_SCRIPT, run
-from tests.test_consumer import dead_letters, publish, ready_messages
+from tests.test_consumer import dead_letters, publish, queue_empty, ready_messages
 from worker import Context, Permanent, Retryable, Router
 from worker import dead_letters as dlq
 from worker.errors import is_transient
@@ -267,7 +267,9 @@ async def test_a_replay_copy_sent_twice_runs_once(
         [parked] = await dead_letters(channel, settings)  # (taken off the DLQ)
         dead_letter_exchange = await channel.get_exchange(settings.dead_letter_exchange)
         for _ in range(2):
-            await dead_letter_exchange.publish(_copy(parked), routing_key=ROUTING_KEY)
+            await dead_letter_exchange.publish(
+                dlq.copy_of(parked, parked.headers), routing_key=ROUTING_KEY
+            )
 
         # When both copies are replayed
         assert len(await dlq.replay(amqp, engine, settings)) == 2
@@ -276,12 +278,6 @@ async def test_a_replay_copy_sent_twice_runs_once(
     # Then the effect was applied once
     assert await effects(engine) == 1
     assert len(script.calls) == 2
-
-
-def _copy(message: AbstractIncomingMessage) -> Any:
-    from aio_pika import Message
-
-    return Message(message.body, headers=dict(message.headers), message_id=message.message_id)
 
 
 @pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl")
@@ -314,16 +310,12 @@ async def test_the_worker_pauses_while_postgresql_is_unreachable_and_loses_nothi
             # When PostgreSQL is back, each payment is applied once
             await proxy.up()
             await settled(worker, processed=21)
-            await wait_until(lambda: _queue_drained(channel, settings))
+            await wait_until(lambda: queue_empty(channel, settings.queue))
 
     assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='erin'") == 201
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status='completed'") == 21
     assert worker.stats["dead_lettered"] == 0
     assert await dead_letters(channel, settings) == []
-
-
-async def _queue_drained(channel: AbstractChannel, settings: Settings) -> bool:
-    return await ready_messages(channel, settings.queue) == 0
 
 
 async def test_connections_terminated_mid_run_lose_nothing_and_apply_each_once(

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import signal
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import broker_depth, payment, rows, scalar, wait_until
+from examples.payments.demo import plan_payments
+from tests.helpers import broker_depth, rows, scalar, wait_until
 from tests.test_process import (
     send_blocking_credit,
     wait_for_consumer,
@@ -30,16 +30,9 @@ PAYMENTS = {"WORKER_HANDLERS": "examples.payments", "WORKER_RELAY": "false"}
 async def test_sigterm_during_a_burst_exits_0_and_a_restart_applies_each_payment_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
-    rng = random.Random(11)
     # (enough that a batching worker is still busy when the signal comes)
-    unique = [
-        payment(f"b{i}", f"acct-{rng.randrange(5)}", rng.randint(1, 900)) for i in range(2000)
-    ]
-    sends = unique + [rng.choice(unique) for _ in range(500)]
-    rng.shuffle(sends)
-    expected: dict[str, int] = {}
-    for p in unique:
-        expected[p["account"]] = expected.get(p["account"], 0) + p["amount_cents"]
+    plan = plan_payments(2500, 0.2, 5, 11)
+    unique, sends, expected = plan.payments, plan.sends, plan.expected_balances
     log = tmp_path / "worker.log"
 
     # Given a worker in the middle of a burst
