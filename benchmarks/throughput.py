@@ -100,11 +100,10 @@ from benchmarks.relay_latency import (
     until_started,
 )
 from examples.payments import router as payments_router
-from examples.payments.demo import DemoPlan, plan_payments
+from examples.payments.demo import DemoPlan, plan_payments, request_message
 from worker import queries, runner
 from worker.context import OutboxMessage
 from worker.database import create_engine
-from worker.envelope import IDEMPOTENCY_KEY_HEADER
 from worker.settings import Settings, positive_float, positive_int
 from worker.testing import scratch_database
 from worker.topology import declare_topology
@@ -244,20 +243,6 @@ class Bench:
 # Messages and publishing
 
 
-def request_message(
-    payment: dict[str, object], headers: dict[str, Any] | None = None
-) -> aio_pika.Message:
-    """A ``payment.requested`` message as ``worker demo`` sends it: keyed by the payment id."""
-    key = str(payment["payment_id"])
-    return aio_pika.Message(
-        json.dumps(payment).encode(),
-        content_type="application/json",
-        message_id=key,
-        headers={IDEMPOTENCY_KEY_HEADER: key, **(headers or {})},
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-    )
-
-
 def settled_body(payment: dict[str, object]) -> bytes:
     """The body of the ``payment.settled`` event of ``payment`` (balance: its own amount)."""
     return json.dumps({**payment, "balance_cents": payment["amount_cents"]}).encode()
@@ -391,9 +376,6 @@ async def check_payments(bench: Bench, scenario: str, *, notices: bool = False) 
         balances = {str(account): int(cents) for account, cents in result}
     if balances != bench.plan.expected_balances:
         bench.note(scenario, "balances differ from the planned payments' sums")
-
-
-# Broker clean-up
 
 
 # The scenarios

@@ -9,6 +9,7 @@ import json
 import random
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from aio_pika import DeliveryMode, Message
 
@@ -50,6 +51,18 @@ def plan_payments(count: int, duplicate_ratio: float, accounts: int, seed: int) 
     return DemoPlan(payments, sends, dict(balances))
 
 
+def request_message(payment: dict[str, object], headers: dict[str, Any] | None = None) -> Message:
+    """A persistent ``payment.requested`` message keyed (and identified) by its payment id."""
+    key = str(payment["payment_id"])
+    return Message(
+        json.dumps(payment).encode(),
+        content_type="application/json",
+        message_id=key,
+        headers={IDEMPOTENCY_KEY_HEADER: key, **(headers or {})},
+        delivery_mode=DeliveryMode.PERSISTENT,
+    )
+
+
 async def publish_demo(settings: Settings, plan: DemoPlan) -> None:
     """Publish ``plan.sends`` to the exchange with publisher confirms."""
     connection = await connect_broker(settings, name="worker-demo")
@@ -57,14 +70,4 @@ async def publish_demo(settings: Settings, plan: DemoPlan) -> None:
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         topology = await declare_topology(channel, settings, payments_router.routing_keys())
         for payment in plan.sends:
-            key = str(payment["payment_id"])
-            await topology.exchange.publish(
-                Message(
-                    json.dumps(payment).encode(),
-                    content_type="application/json",
-                    message_id=key,
-                    headers={IDEMPOTENCY_KEY_HEADER: key},
-                    delivery_mode=DeliveryMode.PERSISTENT,
-                ),
-                routing_key=ROUTING_KEY,
-            )
+            await topology.exchange.publish(request_message(payment), routing_key=ROUTING_KEY)
