@@ -9,13 +9,23 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from typing import Any
 
 from pydantic_core import to_jsonable_python
 
-from worker.errors import UndecodableBody
+from worker.errors import BodyTooDeep, UndecodableBody
 
 JSON_CONTENT_TYPE = "application/json"
+
+DEFAULT_MAX_DEPTH = 64
+"""How deeply a body may nest JSON arrays and objects (``max_json_depth``'s default): deep enough
+for any business document, far below the depth where Python's JSON encoder and pydantic recurse
+out of stack."""
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one running to the end of the body."""
+_BRACKET = re.compile(rb"[\[\]{}]")
 
 
 def is_json_content_type(content_type: str | None) -> bool:
@@ -37,20 +47,47 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def decode_json(body: bytes, content_type: str | None = None) -> Any:
+def nesting_depth_exceeds(body: bytes, limit: int) -> bool:
+    """True when ``body`` opens more than ``limit`` nested arrays and objects, counting brackets
+    outside JSON strings (a string left open runs to the end); linear in the body's size, and
+    decides before anything is parsed.
+
+    A body with at most ``limit`` opening brackets in all is decided without scanning it.
+    """
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    depth = 0
+    for bracket in _BRACKET.finditer(_JSON_STRING.sub(b"", body)):
+        if bracket.group() in (b"[", b"{"):
+            depth += 1
+            if depth > limit:
+                return True
+        else:
+            depth -= 1
+    return False
+
+
+def decode_json(
+    body: bytes, content_type: str | None = None, *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> Any:
     """The JSON value in ``body``; raises ``UndecodableBody`` saying why it is not one."""
-    return decode_fingerprinted(body, content_type)[0]
+    return decode_fingerprinted(body, content_type, max_depth=max_depth)[0]
 
 
-def decode_fingerprinted(body: bytes, content_type: str | None = None) -> tuple[Any, bytes]:
+def decode_fingerprinted(
+    body: bytes, content_type: str | None = None, *, max_depth: int = DEFAULT_MAX_DEPTH
+) -> tuple[Any, bytes]:
     """The JSON value in ``body`` and its ``fingerprint``, from one canonical encoding; raises
-    ``UndecodableBody`` saying why it is not JSON."""
+    ``UndecodableBody`` saying why it is not JSON, ``BodyTooDeep`` (before parsing) when it
+    nests deeper than ``max_depth``."""
     if not is_json_content_type(content_type):
         raise UndecodableBody(f"unsupported content type {content_type!r}; expected JSON")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UndecodableBody(f"body is not UTF-8: {exc}") from exc
+    if nesting_depth_exceeds(body, max_depth):
+        raise BodyTooDeep(f"body nests arrays and objects deeper than {max_depth} levels")
     try:
         value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError) as exc:
@@ -60,6 +97,18 @@ def decode_fingerprinted(body: bytes, content_type: str | None = None) -> tuple[
     except UnicodeEncodeError as exc:
         # an escaped lone surrogate ("\ud800") is valid JSON syntax but not a character
         raise UndecodableBody(f"body is not JSON text: {exc.reason} in a string") from exc
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def storable(text: str, limit: int | None = None) -> str:
+    """``text`` made safe for a PostgreSQL TEXT column and an AMQP header: NUL and control
+    characters (other than newline and tab) and lone surrogates escaped as ``\\xNN`` /
+    ``\\udNNN``, then cut to ``limit`` characters."""
+    escaped = _CONTROL.sub(lambda match: f"\\x{ord(match.group()):02x}", text)
+    escaped = escaped.encode("utf-8", "backslashreplace").decode("utf-8")
+    return escaped if limit is None else escaped[:limit]
 
 
 def to_jsonable(value: Any) -> Any:

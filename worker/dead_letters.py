@@ -28,6 +28,7 @@ from aio_pika.abc import (
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import queries
+from worker.codec import storable
 from worker.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, key_or_none
 from worker.errors import HandlerFailed
 from worker.router import Handler
@@ -55,7 +56,11 @@ MAX_ERROR_LENGTH = 2000
 
 @dataclass(frozen=True)
 class Failure:
-    """Why a delivery failed, and the facts about it that travel with its copy."""
+    """Why a delivery failed, and the facts about it that travel with its copy.
+
+    ``error`` is ``codec.storable``: no NUL, control character or lone surrogate can make the
+    copy's headers or the inbox row that records it unwritable.
+    """
 
     delivery: Delivery
     error: str
@@ -67,7 +72,7 @@ class Failure:
         """The failure ``exc`` of ``delivery``; a handler's own exception names its type."""
         return cls(
             delivery,
-            error=str(exc) or repr(exc),
+            error=storable(str(exc) or repr(exc), MAX_ERROR_LENGTH),
             exception_type=type(cause_of(exc)).__name__,
             handler=handler.name if handler is not None else None,
         )
@@ -85,7 +90,7 @@ class Failure:
         headers.setdefault(ORIGINAL_EXCHANGE, self.delivery.exchange)
         headers.update(
             {
-                ERROR: self.error[:MAX_ERROR_LENGTH],
+                ERROR: self.error,
                 EXCEPTION_TYPE: self.exception_type,
                 ATTEMPTS: self.attempts,
                 ORIGINAL_ROUTING_KEY: self.delivery.routing_key,

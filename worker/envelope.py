@@ -11,8 +11,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.codec import decode_fingerprinted
-from worker.errors import BodyTooLarge, InvalidKey, MissingKey, NoHandler, Rejected
+from worker.codec import DEFAULT_MAX_DEPTH, decode_fingerprinted
+from worker.errors import (
+    BodyTooLarge,
+    InvalidKey,
+    InvalidProperty,
+    MissingKey,
+    NoHandler,
+    Rejected,
+)
 from worker.router import Handler, Router
 
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
@@ -21,6 +28,11 @@ MAX_KEY_LENGTH = 512
 
 ATTEMPTS_HEADER = "x-worker-attempts"
 """How many deliveries of this message failed before (set on delayed retries and dead letters)."""
+
+MAX_ATTEMPTS = 1_000_000
+"""The most attempts a delivery is taken to have made, this one included: a forged
+``x-worker-attempts`` of 2**40 counts as this many (past any retry chain), and sums of it fit
+the inbox's integer column."""
 
 ROUTING_KEY_HEADER = "x-worker-original-routing-key"
 """The routing key a message was first published with, kept when it travels through the
@@ -44,7 +56,7 @@ class Delivery:
     def failed_attempts(self) -> int:
         """Deliveries of this message that failed before this one (0 on a first delivery)."""
         value = self.headers.get(ATTEMPTS_HEADER, 0)
-        return value if isinstance(value, int) and value > 0 else 0
+        return min(value, MAX_ATTEMPTS - 1) if isinstance(value, int) and value > 0 else 0
 
     @property
     def attempt(self) -> int:
@@ -91,6 +103,21 @@ def idempotency_key(delivery: Delivery) -> str:
     return raw
 
 
+def check_properties(delivery: Delivery) -> None:
+    """Refuse a message_id or correlation id that the inbox and outbox could not store: one
+    with a NUL character (PostgreSQL text cannot hold it), or one longer than a key may be."""
+    header = delivery.headers.get(CORRELATION_HEADER)
+    for name, value in (
+        ("message_id", delivery.message_id),
+        ("correlation_id", delivery.correlation_id),
+        (CORRELATION_HEADER, header if isinstance(header, str) else None),
+    ):
+        if value is not None and ("\x00" in value or len(value) > MAX_KEY_LENGTH):
+            raise InvalidProperty(
+                f"{name} contains a NUL character or is longer than {MAX_KEY_LENGTH} characters"
+            )
+
+
 def key_or_none(delivery: Delivery) -> str | None:
     """The delivery's idempotency key, or None when it has no valid one."""
     try:
@@ -99,14 +126,22 @@ def key_or_none(delivery: Delivery) -> str | None:
         return None
 
 
-def open_envelope(delivery: Delivery, router: Router, *, max_body_bytes: int) -> Envelope:
-    """Check ``delivery`` in order: size, routing, key, JSON, validation; the first failure wins."""
+def open_envelope(
+    delivery: Delivery,
+    router: Router,
+    *,
+    max_body_bytes: int,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+) -> Envelope:
+    """Check ``delivery`` in order: size, routing, key, properties, JSON (its nesting depth
+    first), validation; the first failure wins."""
     if len(delivery.body) > max_body_bytes:
         raise BodyTooLarge(f"body has {len(delivery.body)} bytes; the limit is {max_body_bytes}")
     handler = router.find(delivery.routing_key)
     if handler is None:
         raise NoHandler(f"no handler for routing key {delivery.routing_key!r}")
     key = idempotency_key(delivery)
-    value, digest = decode_fingerprinted(delivery.body, delivery.content_type)
+    check_properties(delivery)
+    value, digest = decode_fingerprinted(delivery.body, delivery.content_type, max_depth=max_depth)
     payload = handler.validate(value)
     return Envelope(delivery, handler, key, payload, digest)

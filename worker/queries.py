@@ -31,7 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.codec import to_jsonable
 from worker.context import OutboxMessage
-from worker.envelope import Envelope
+from worker.envelope import MAX_ATTEMPTS, Envelope
 from worker.tables import inbox, outbox, outbox_parked, workflow_steps
 
 
@@ -166,7 +166,7 @@ async def record_failure(
             set_={
                 "status": "failed",
                 "error": stmt.excluded.error,
-                "attempts": inbox.c.attempts + stmt.excluded.attempts,
+                "attempts": func.least(inbox.c.attempts + stmt.excluded.attempts, MAX_ATTEMPTS),
                 "owner": None,
                 "lease_until": None,
                 "updated_at": func.now(),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from worker.codec import DEFAULT_MAX_DEPTH
 from worker.errors import ConfigurationError
 
 ENV_PREFIX = "WORKER_"
@@ -22,6 +23,13 @@ def positive_int(raw: str) -> int:
     value = int(raw)
     if value < 1:
         raise ValueError("must be at least 1")
+    return value
+
+
+def non_negative_int(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be 0 or more")
     return value
 
 
@@ -148,6 +156,21 @@ FIELDS: tuple[Field, ...] = (
     ),
     Field("handlers", _handler_list, "comma-separated handler modules to load"),
     Field("max_body_bytes", positive_int, "larger message bodies are dead-lettered"),
+    Field(
+        "max_json_depth",
+        positive_int,
+        "bodies nesting JSON arrays/objects deeper are dead-lettered before they are parsed",
+    ),
+    Field(
+        "failure_throttle_after",
+        non_negative_int,
+        "consecutive dead-lettered messages after which the worker slows down (0: never)",
+    ),
+    Field(
+        "failure_throttle_delay",
+        duration,
+        "while slowed down: one message at a time, this long apart, until one succeeds",
+    ),
     Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
     Field("log_format", log_format, "text, or json for one JSON object per line"),
     Field(
@@ -203,6 +226,9 @@ class Settings:
     batch_linger: float = 0.002
     handlers: tuple[str, ...] = field(default_factory=tuple)
     max_body_bytes: int = 1024 * 1024
+    max_json_depth: int = DEFAULT_MAX_DEPTH
+    failure_throttle_after: int = 20
+    failure_throttle_delay: float = 1.0
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace: float = 30.0

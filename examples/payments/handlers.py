@@ -25,14 +25,22 @@ router = Router(
 )
 
 
+INT64_MAX = 2**63 - 1
+"""The largest amount a PostgreSQL bigint column holds."""
+
+NO_NUL = r"^[^\x00]*$"
+"""PostgreSQL text cannot hold a NUL character: refuse it at validation, not at the INSERT."""
+
+
 class PaymentRequested(BaseModel):
-    """The body of ``payment.requested``. Types are strict: ``"100"`` is not an amount."""
+    """The body of ``payment.requested``. Types are strict: ``"100"`` is not an amount; amounts
+    fit a bigint and texts hold no NUL, so every valid body can be stored."""
 
     model_config = ConfigDict(strict=True)
 
-    payment_id: str = Field(min_length=1)
-    account: str = Field(min_length=1)
-    amount_cents: int = Field(gt=0)
+    payment_id: str = Field(min_length=1, pattern=NO_NUL)
+    account: str = Field(min_length=1, pattern=NO_NUL)
+    amount_cents: int = Field(gt=0, le=INT64_MAX)
 
 
 @router.batch_handler("payment.requested")
@@ -81,7 +89,7 @@ async def settle_payments(payments: list[PaymentRequested], batch: Batch) -> lis
 class PaymentSettled(PaymentRequested):
     """The body of ``payment.settled``: the payment and the account's balance after it."""
 
-    balance_cents: int
+    balance_cents: int = Field(ge=-INT64_MAX - 1, le=INT64_MAX)
 
 
 @router.handler("payment.settled")  # a plain handler: one body, one Context
