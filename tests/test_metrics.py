@@ -23,6 +23,7 @@ from tests.helpers import wait_until
 from worker import queries
 from worker.context import OutboxMessage
 from worker.database import create_engine
+from worker.errors import PauseReason
 from worker.metrics import Health, HttpServer, Metrics, Monitor
 from worker.settings import Settings
 
@@ -116,7 +117,7 @@ async def test_counters_and_histograms_render_with_their_labels() -> None:
         pass
     with pytest.raises(RuntimeError), metrics.transaction("payments"):
         raise RuntimeError("rolled back")  # a failed unit of work is timed too
-    metrics.paused()
+    metrics.paused(PauseReason.DATABASE_UNREACHABLE)
     metrics.relay_batch(5, published=3, failed=2, parked=1)
     metrics.relay_batch(0, published=0)
     metrics.expired(7)

@@ -90,11 +90,19 @@ class Settlements:
 
     async def requeue(self, message: AbstractIncomingMessage) -> None:
         """Return ``message`` to its queue (``basic.nack`` with requeue)."""
+        await self._nack(message, requeue=True)
+
+    async def reject(self, message: AbstractIncomingMessage) -> None:
+        """Hand ``message`` to the broker's dead-lettering (``basic.nack`` without requeue): the
+        work queue's dead-letter exchange parks it as it is, with the broker's ``x-death``."""
+        await self._nack(message, requeue=False)
+
+    async def _nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
         async with self._issuing:
             channel = _channel_of(message)
             if channel is not None and message.delivery_tag is not None:
                 self._channels.setdefault(channel, _Channel()).settled(message.delivery_tag)
-            await _issue(message.nack(requeue=True))
+            await _issue(message.nack(requeue=requeue))
 
 
 def _channel_of(message: AbstractIncomingMessage) -> Any:

@@ -14,25 +14,67 @@ broker confirmed the copy it was turned into:
 - permanent (a ``Rejected`` check, a handler error): parked in the dead-letter queue; when it has
   a key, the key is recorded as failed so a later duplicate is acked without running again;
 - PostgreSQL unreachable (whatever the error looked like): nothing is parked or retried. The
-  delivery returns to the queue and consumption pauses until the database answers again.
+  delivery returns to the queue and consumption pauses until the database answers again;
+- the deployment's fault (``errors.Fault.DEPLOYMENT``: a table, column, function or privilege
+  missing): likewise nothing is parked and no key is marked failed; consumption pauses and tries
+  again after a growing wait (sooner once the migrations are at head).
+
+Parking always ends: once the broker confirmed the DLQ copy the delivery is acked, even if
+recording its key as failed does not work (the copy is the record). If the copy cannot be
+published while the channel lives, the delivery is handed to the broker's own dead-lettering
+(``reject``) instead of returning to the queue. Nothing a message holds can raise past the
+checks: an unexpected error while opening it parks it as ``check-failed``. After
+``failure_throttle_after`` dead letters in a row, the consumer takes one message at a time,
+``failure_throttle_delay`` apart, until one succeeds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections import Counter
-from collections.abc import Callable
+from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+import aiormq.exceptions
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractRobustConnection,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import backoff, database, dead_letters, logs, queries, tracing, unit_of_work, workflows
+from worker import (
+    backoff,
+    database,
+    dead_letters,
+    logs,
+    queries,
+    schema,
+    tracing,
+    unit_of_work,
+    workflows,
+)
 from worker.acks import Settlements
 from worker.backoff import first
 from worker.dead_letters import Failure
-from worker.envelope import ROUTING_KEY_HEADER, Delivery, Envelope, open_envelope
-from worker.errors import KeyReused, Rejected, RetriesExhausted, is_transient
+from worker.envelope import (
+    IDEMPOTENCY_KEY_HEADER,
+    ROUTING_KEY_HEADER,
+    Delivery,
+    Envelope,
+    open_envelope,
+)
+from worker.errors import (
+    CheckFailed,
+    Fault,
+    KeyReused,
+    PauseReason,
+    Rejected,
+    RetriesExhausted,
+    classify,
+)
 from worker.faults import (
     CONSUMER_AFTER_COMMIT,
     CONSUMER_BEFORE_CLAIM,
@@ -41,11 +83,18 @@ from worker.faults import (
 )
 from worker.metrics import Metrics
 from worker.router import Router
-from worker.settings import Settings
+from worker.settings import Settings, format_duration
 from worker.topology import Topology, declare_topology
 from worker.unit_of_work import Outcome
 
 log = logging.getLogger(__name__)
+
+LOST_COPIES_REMEMBERED = 10_000
+"""Deliveries whose failure copy was lost with the channel, remembered to break a cycle."""
+
+DEPLOYMENT_RETRY_MAX = 60.0
+"""Longest wait, in seconds, before a consumer paused by a deployment fault tries again; the wait
+doubles from 1 s with each such pause until a message succeeds."""
 
 
 def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
@@ -73,13 +122,27 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
     )
 
 
+def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
+    """What tells one message from another across its redeliveries (tags change)."""
+    headers = message.headers or {}
+    return (
+        message.message_id,
+        message.routing_key,
+        str(headers.get(IDEMPOTENCY_KEY_HEADER)),
+        len(message.body),
+        hash(message.body),
+    )
+
+
 class Consumer:
     """Consumes the work queue on one channel, ``concurrency`` transactions at a time.
 
     ``stats`` counts outcomes: ``processed``, ``duplicate``, ``duplicate_of_failed``,
-    ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued`` and
-    ``paused`` (times consumption paused for a database outage); and for batches: ``batches``
-    (transactions of several deliveries), ``multiple_acks`` and ``batch_retried_alone``
+    ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued``,
+    ``rejected_to_broker`` (a DLQ copy that could not be published, dead-lettered by the broker
+    instead), ``paused`` (times consumption paused for a database outage or a deployment fault)
+    and ``throttled`` (times it slowed down after consecutive dead letters); and for batches:
+    ``batches`` (transactions of several deliveries), ``multiple_acks`` and ``batch_retried_alone``
     (batches that failed and were redone one message per transaction).
     """
 
@@ -110,7 +173,13 @@ class Consumer:
         self._consumer_tag: str | None = None
         self._stopping = asyncio.Event()
         self._resuming: asyncio.Task[None] | None = None
+        self._pause_reason: PauseReason | None = None
+        self._pause_detail = ""
+        self._deployment_pauses = 0
         self._pausing = asyncio.Lock()
+        self._dead_letters_in_a_row = 0
+        self._one_at_a_time = asyncio.Lock()
+        self._copies_lost: OrderedDict[tuple[object, ...], None] = OrderedDict()
         self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -121,8 +190,24 @@ class Consumer:
 
     @property
     def paused(self) -> bool:
-        """True while consumption waits for PostgreSQL to answer again."""
+        """True while consumption waits for PostgreSQL to answer again, or for a deployment
+        fault to be fixed."""
         return self._resuming is not None
+
+    @property
+    def throttled(self) -> bool:
+        """True while dead letters in a row hold the consumer to one message at a time."""
+        limit = self.settings.failure_throttle_after
+        return limit > 0 and self._dead_letters_in_a_row >= limit
+
+    def condition(self) -> dict[str, object]:
+        """What ``/healthz`` shows of the consumer beyond ``consuming``: why it is paused, if it
+        is, and whether it is throttled."""
+        state: dict[str, object] = {"throttled": self.throttled}
+        if self._pause_reason is not None:
+            state["paused"] = self._pause_reason.value
+            state["paused_because"] = self._pause_detail
+        return state
 
     async def start(self) -> Topology:
         """Declare the topology and start consuming."""
@@ -215,19 +300,35 @@ class Consumer:
         size, linger = self.batch_size, self.settings.batch_linger
         while True:
             await self._arrived.wait()
+            if self.throttled:
+                async with self._one_at_a_time:  # the takers queue up here: one at a time
+                    if self.throttled:
+                        await first(
+                            self._stopping.wait(), within=self.settings.failure_throttle_delay
+                        )
+                    if self._stopping.is_set():
+                        return
+                    await self._run(self._next(1))
+                continue
             if len(self._pending) < size and linger and not self._stopping.is_set():
                 await asyncio.sleep(linger)
             if self._stopping.is_set():
                 return
-            batch, self._pending[:size] = self._pending[:size], []
-            if not self._pending:
-                self._arrived.clear()
-            if not batch:
-                continue
-            task = asyncio.create_task(self.handle_batch(batch))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
-            await asyncio.shield(task)
+            await self._run(self._next(size))
+
+    def _next(self, size: int) -> list[AbstractIncomingMessage]:
+        batch, self._pending[:size] = self._pending[:size], []
+        if not self._pending:
+            self._arrived.clear()
+        return batch
+
+    async def _run(self, batch: list[AbstractIncomingMessage]) -> None:
+        if not batch:
+            return
+        task = asyncio.create_task(self.handle_batch(batch))
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+        await asyncio.shield(task)
 
     def _taker_ended(self, taker: asyncio.Task[None]) -> None:
         if not taker.cancelled() and taker.exception() is not None:
@@ -258,6 +359,11 @@ class Consumer:
                 envelope = self._open(delivery)
             except Rejected as exc:
                 rejected.append((message, delivery, exc))
+                continue
+            except Exception as exc:  # whatever the body holds, it never kills the consumer
+                failed = CheckFailed(f"{type(exc).__name__}: {exc}")
+                failed.__cause__ = exc
+                rejected.append((message, delivery, failed))
                 continue
             (alone if envelope.handler.workflow else together).append((message, envelope))
         if len(together) > 1:
@@ -319,6 +425,7 @@ class Consumer:
         self.stats["multiple_acks"] += await self.settlements.ack(committed)
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
+        self._succeeded()
         self.stats[outcome.value] += 1
         self.metrics.message(envelope.handler.name, outcome.value)
         log.debug(
@@ -330,7 +437,12 @@ class Consumer:
         )
 
     def _open(self, delivery: Delivery) -> Envelope:
-        return open_envelope(delivery, self.router, max_body_bytes=self.settings.max_body_bytes)
+        return open_envelope(
+            delivery,
+            self.router,
+            max_body_bytes=self.settings.max_body_bytes,
+            max_depth=self.settings.max_json_depth,
+        )
 
     async def _process_alone(self, message: AbstractIncomingMessage, envelope: Envelope) -> None:
         """One checked delivery in a unit of work of its own (a workflow's run, or one
@@ -390,12 +502,17 @@ class Consumer:
             envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
         )
         failure = Failure.of(delivery, exc, handler)
+        fault = classify(exc)
         checked_before_the_database = isinstance(exc, Rejected) and envelope is None
         if not checked_before_the_database and not await self._database_answers():
-            await self._pause()
+            await self._pause(PauseReason.DATABASE_UNREACHABLE, "PostgreSQL does not answer")
             await self._requeue(message, failure.handler)
             return
-        if is_transient(exc):
+        if fault is Fault.DEPLOYMENT:
+            await self._pause(PauseReason.DEPLOYMENT, logs.describe_error(exc))
+            await self._requeue(message, failure.handler)
+            return
+        if fault is Fault.TRANSIENT:
             if failure.attempts <= len(self.settings.retry_delays):
                 await self._retry_later(message, failure)
                 return
@@ -410,16 +527,16 @@ class Consumer:
     async def _retry_later(self, message: AbstractIncomingMessage, failure: Failure) -> None:
         assert self._topology is not None
         delay = self.settings.retry_delays[failure.attempts - 1]
-        try:
-            await dead_letters.schedule_retry(
-                self._topology.default_exchange,
-                message,
-                failure,
-                retry_queue=self.settings.retry_queue(delay),
-            )
-        except Exception:
-            log.exception("could not schedule a retry of message %s", message.message_id)
-            await self._requeue(message, failure.handler)
+        retry_queue = self.settings.retry_queue(delay)
+        copied = await self._copy(
+            message,
+            failure,
+            "retry-failed",
+            lambda exchange: dead_letters.schedule_retry(
+                exchange, message, failure, retry_queue=retry_queue
+            ),
+        )
+        if not copied:
             return
         self.stats["retry_scheduled"] += 1
         self.metrics.message(failure.handler, "retry_scheduled")
@@ -442,26 +559,32 @@ class Consumer:
         """Park in the DLQ; then, for a keyed message, record its key as failed; then ack.
 
         Parking comes first: a crash before the ack parks the message twice at worst, while a
-        recorded failure without a parked copy would leave nothing to replay.
+        recorded failure without a parked copy would leave nothing to replay. Once the broker
+        confirmed the copy, the delivery is acked whatever happens to the record (the copy is
+        the record).
         """
         assert self._topology is not None
-        try:
-            await dead_letters.park(
-                self._topology.dead_letter_exchange, message, failure, reason=reason
-            )
-            if envelope is not None and reason != KeyReused.reason:
+        dead_letter_exchange = self._topology.dead_letter_exchange
+        copied = await self._copy(
+            message,
+            failure,
+            reason,
+            lambda _: dead_letters.park(dead_letter_exchange, message, failure, reason=reason),
+        )
+        if not copied:
+            return
+        if envelope is not None and reason != KeyReused.reason:
+            try:
                 await backoff.in_process(self.settings.transient_attempts, log)(
                     self._record_failure, envelope, failure
                 )
-        except Exception:
-            log.exception(
-                "could not park message %s; returning it to the queue", message.message_id
-            )
-            await self._requeue(message, failure.handler)
-            return
-        self.stats["dead_lettered"] += 1
-        self.stats[f"dead_lettered:{reason}"] += 1
-        self.metrics.dead_letter(failure.handler, reason)
+            except Exception:
+                log.exception(
+                    "message %s is parked, but its key could not be recorded as failed; a "
+                    "redelivery of the key will run again",
+                    message.message_id,
+                )
+        self._count_dead_letter(failure, reason)
         log.warning(
             "dead-lettered message %s (routing key %r): %s: %s",
             message.message_id,
@@ -470,6 +593,103 @@ class Consumer:
             failure.error,
         )
         await self.settlements.ack_one(message)
+
+    async def _copy(
+        self,
+        message: AbstractIncomingMessage,
+        failure: Failure,
+        reason: str,
+        publish: Callable[[AbstractExchange], Awaitable[None]],
+    ) -> bool:
+        """Publish the copy a failure turns ``message`` into (``publish``, given the default
+        exchange); True once the broker confirmed it, else the delivery is settled here.
+
+        A failed copy never sends the delivery round and round. An unroutable copy (its queue
+        was deleted) is the deployment's fault: consumption pauses, and declares the topology
+        again before it resumes. If the broker refused the copy otherwise while the channel
+        lives (nacked, or the client could not encode it), or if the delivery comes back redelivered
+        after its copy cost the channel before (a copy over the broker's size limit closes it),
+        the broker's own dead-lettering parks the original as it is (``reject``). Only a copy
+        lost with its channel returns the delivery to the queue, once.
+        """
+        assert self._topology is not None
+        identity = _identity(message)
+        if message.redelivered and identity in self._copies_lost:
+            del self._copies_lost[identity]
+            log.error(
+                "message %s came back after its %s copy was lost with the channel; the broker "
+                "dead-letters it as it is",
+                message.message_id,
+                reason,
+            )
+            await self._reject_to_broker(message, failure, reason)
+            return False
+        try:
+            await publish(self._topology.default_exchange)
+        except Exception as exc:
+            if isinstance(exc, aiormq.exceptions.PublishError):  # returned: no queue bound
+                await self._pause(
+                    PauseReason.DEPLOYMENT,
+                    f"the {reason} copy of a message is unroutable: {exc} (queue deleted?)",
+                )
+                await self._requeue(message, failure.handler)
+                return False
+            if self._channel_lost(exc):
+                log.warning("the copy of message %s was lost: %r", message.message_id, exc)
+                self._copies_lost[identity] = None
+                while len(self._copies_lost) > LOST_COPIES_REMEMBERED:
+                    self._copies_lost.popitem(last=False)
+                await self._requeue(message, failure.handler)  # (void: the broker redelivers)
+                return False
+            log.exception(
+                "the broker refused the %s copy of message %s; it dead-letters it as it is",
+                reason,
+                message.message_id,
+            )
+            await self._reject_to_broker(message, failure, reason)
+            return False
+        return True
+
+    async def _reject_to_broker(
+        self, message: AbstractIncomingMessage, failure: Failure, reason: str
+    ) -> None:
+        """Let the work queue's dead-letter exchange park ``message`` as it is (``x-death``)."""
+        self.stats["rejected_to_broker"] += 1
+        self._count_dead_letter(failure, reason)
+        await self.settlements.reject(message)
+
+    def _count_dead_letter(self, failure: Failure, reason: str) -> None:
+        self._dead_lettered()
+        self.stats["dead_lettered"] += 1
+        self.stats[f"dead_lettered:{reason}"] += 1
+        self.metrics.dead_letter(failure.handler, reason)
+
+    def _channel_lost(self, exc: BaseException) -> bool:
+        """True when a publish failed because the channel or connection went away (the
+        delivery's tag is void then), not because the broker refused this message."""
+        channel = self._channel
+        return channel is None or channel.is_closed or classify(exc) is Fault.TRANSIENT
+
+    def _dead_lettered(self) -> None:
+        """Count one more dead letter in a row; slow down when there are too many."""
+        self._dead_letters_in_a_row += 1
+        if self._dead_letters_in_a_row == self.settings.failure_throttle_after:
+            self.stats["throttled"] += 1
+            self.metrics.throttled(True)
+            log.error(
+                "%d messages in a row were dead-lettered: taking one message at a time, %s "
+                "apart, until one succeeds (a handler bug or a bad deployment? see the DLQ)",
+                self._dead_letters_in_a_row,
+                format_duration(self.settings.failure_throttle_delay),
+            )
+
+    def _succeeded(self) -> None:
+        """A message ended well: dead letters are no longer in a row."""
+        if self.throttled:
+            self.metrics.throttled(False)
+            log.warning("a message succeeded: back to full speed")
+        self._dead_letters_in_a_row = 0
+        self._deployment_pauses = 0
 
     async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
         async with self.engine.begin() as conn:
@@ -485,8 +705,8 @@ class Consumer:
             return False
         return True
 
-    async def _pause(self) -> None:
-        """Stop consuming until PostgreSQL answers again; return once the broker confirmed it.
+    async def _pause(self, reason: PauseReason, detail: str) -> None:
+        """Stop consuming until the fault is gone; return once the broker confirmed it.
 
         Deliveries are returned to the queue only after that, so none comes back to this
         consumer while it is paused (aiormq silently drops a delivery for a cancelled consumer,
@@ -497,18 +717,71 @@ class Consumer:
                 return
             await self._cancel()
             self.stats["paused"] += 1
-            self.metrics.paused()
-            log.error("PostgreSQL is unreachable: consumption paused until it answers again")
-            self._resuming = asyncio.create_task(self._resume_when_database_answers())
+            self._pause_reason, self._pause_detail = reason, detail
+            self.metrics.paused(reason)
+            if reason is PauseReason.DEPLOYMENT:
+                self._deployment_pauses += 1
+                wait = min(DEPLOYMENT_RETRY_MAX, 2 ** (self._deployment_pauses - 1))
+                log.error(
+                    "the deployment does not match the code (%s): consumption paused, nothing "
+                    "parked; trying again in %gs, or once migrations are at head. Apply the "
+                    "migrations (`worker migrate`) or grant the privileges.",
+                    detail,
+                    wait,
+                )
+                self._resuming = asyncio.create_task(self._resume_after_deployment_fault(wait))
+            else:
+                log.error("PostgreSQL is unreachable: consumption paused until it answers again")
+                self._resuming = asyncio.create_task(self._resume_when_database_answers())
+
+    async def _resume_after_deployment_fault(self, wait: float) -> None:
+        """Resume after ``wait`` seconds, or sooner once migrations that were pending are
+        applied (a missing privilege shows only by trying: the next message tries), declaring
+        the topology again first (a deleted queue comes back)."""
+
+        async def fixed() -> None:
+            if not await self._schema_behind():
+                await asyncio.sleep(wait)
+                return
+            behind = True
+            async with asyncio.timeout(wait):
+                while behind:
+                    await asyncio.sleep(min(wait, 1.0))
+                    behind = await self._schema_behind()
+
+        await self._resume(fixed, "trying the deployment again", redeclare=True)
+
+    async def _schema_behind(self) -> bool:
+        try:
+            return bool(await schema.pending(self.engine, self.settings, self.router))
+        except Exception:  # an unreadable schema is no reason to wait less or more
+            log.debug("could not read the migration state", exc_info=True)
+            return False
 
     async def _resume_when_database_answers(self) -> None:
-        try:
+        async def answers() -> None:
             await backoff.until_stopped(self._stopping, initial=0.5, maximum=5.0, logger=log)(
                 database.probe, self.engine
             )
+
+        await self._resume(answers, "PostgreSQL answers again")
+
+    async def _resume(
+        self, fixed: Callable[[], Awaitable[None]], why: str, *, redeclare: bool = False
+    ) -> None:
+        """Wait until ``fixed`` returns (or the worker stops), then consume again; with
+        ``redeclare``, declare the topology first. A declaration in flight is never cancelled
+        (that would close the channel the deliveries in flight still ack on)."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                await first(fixed(), self._stopping.wait())
+            if redeclare and self._channel is not None and not self._stopping.is_set():
+                self._topology = await backoff.until_stopped(self._stopping, logger=log)(
+                    declare_topology, self._channel, self.settings, self.router.routing_keys()
+                )
             if not self._stopping.is_set():
                 await backoff.until_stopped(self._stopping, logger=log)(self._consume)
-                log.info("PostgreSQL answers again: consumption resumed")
+                log.info("%s: consumption resumed", why)
         except Exception as exc:
             if not self._stopping.is_set():
                 log.exception("could not resume consuming")
@@ -516,6 +789,8 @@ class Consumer:
                     self._failure.set_exception(exc)
         finally:
             self._resuming = None
+            self._pause_reason, self._pause_detail = None, ""
+            self.metrics.paused(None)
 
     async def _requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
         self.stats["requeued"] += 1

@@ -6,6 +6,7 @@ Every exception's docstring is its default message. ``Rejected`` subclasses carr
 
 from __future__ import annotations
 
+import enum
 import re
 
 import aiormq.exceptions
@@ -64,6 +65,24 @@ class InvalidKey(Rejected):
     reason = "invalid-key"
 
 
+class InvalidProperty(Rejected):
+    """The message's message_id or correlation id cannot be stored (a NUL, or too long)."""
+
+    reason = "invalid-property"
+
+
+class BodyTooDeep(Rejected):
+    """The message body nests JSON arrays and objects deeper than the configured limit."""
+
+    reason = "body-too-deep"
+
+
+class CheckFailed(Rejected):
+    """Checking the message raised an unexpected error; nothing was written."""
+
+    reason = "check-failed"
+
+
 class NoHandler(Rejected):
     """No handler serves the message's routing key."""
 
@@ -120,33 +139,71 @@ _CLOSED_BY_AIO_PIKA = re.compile(r"<(Connection|Channel|RobustChannel)\b.*> clos
 """How aiormq and aio-pika word the RuntimeError for using a connection or channel that closed."""
 
 
-def is_transient(exc: BaseException) -> bool:
-    """True when ``exc`` (or what it wraps) is a failure that a later attempt may not meet.
+class Fault(enum.Enum):
+    """Whose fault a failure is, which decides where its message goes."""
+
+    TRANSIENT = "transient"
+    """A later attempt may not meet it (connection loss, timeout, deadlock): retry."""
+    DEPLOYMENT = "deployment"
+    """The deployment's, not the message's (a table, column, function or privilege missing):
+    pause consumption like an outage; nothing is parked and no key is marked failed."""
+    PERMANENT = "permanent"
+    """The message's (bad input, a handler's error on it): park it."""
+
+
+class PauseReason(enum.Enum):
+    """Why consumption is paused: a fault that is not the message's, so nothing is parked."""
+
+    DATABASE_UNREACHABLE = "database-unreachable"
+    DEPLOYMENT = "deployment"
+
+
+_DEPLOYMENT_SQLSTATE_CLASS = "42"
+"""syntax_error_or_access_rule_violation: undefined table/column/function, insufficient
+privilege — the schema or the grants do not match the code, whatever the message holds."""
+
+
+def classify(exc: BaseException) -> Fault:
+    """Whose fault ``exc`` (or what it wraps) is: the one place that decides.
 
     Connection loss, timeouts, serialization failures, deadlocks and ``Retryable`` are transient;
-    everything else (a bug in a handler, a constraint violation, bad input, ``Permanent``
-    anywhere in the chain before a transient cause) is permanent.
+    a PostgreSQL error of SQLSTATE class 42 is the deployment's; everything else (a bug in a
+    handler, a constraint violation, bad input, ``Permanent`` anywhere in the chain before a
+    transient cause) is permanent.
     """
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
         if isinstance(current, Permanent | aiormq.exceptions.AuthenticationError):
-            return False
-        if isinstance(current, Retryable | TimeoutError | ConnectionError | OSError):
-            return True
-        if isinstance(current, aiormq.exceptions.ChannelInvalidStateError):
-            return True  # the channel died with its connection; a robust one is reopening it
-        if isinstance(current, RuntimeError) and _CLOSED_BY_AIO_PIKA.fullmatch(str(current)):
-            return True  # aiormq / aio-pika: "<Connection …> closed" while it reconnects
-        if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
-            return True
-        if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
-            return True
-        if isinstance(current, sqlalchemy.exc.TimeoutError):
-            return True
+            return Fault.PERMANENT
+        if _transient_by_type(current):
+            return Fault.TRANSIENT
         sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
-        if sqlstate in _TRANSIENT_SQLSTATES or (isinstance(sqlstate, str) and sqlstate[:2] == "08"):
-            return True
+        if isinstance(sqlstate, str):
+            if sqlstate in _TRANSIENT_SQLSTATES or sqlstate[:2] == "08":
+                return Fault.TRANSIENT
+            if sqlstate[:2] == _DEPLOYMENT_SQLSTATE_CLASS:
+                return Fault.DEPLOYMENT
         current = current.__cause__ or current.__context__
-    return False
+    return Fault.PERMANENT
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it wraps) is a failure that a later attempt may not meet."""
+    return classify(exc) is Fault.TRANSIENT
+
+
+def _transient_by_type(current: BaseException) -> bool:
+    """True for the exception types that mean a lost connection, a timeout or ``Retryable``."""
+    if isinstance(current, Retryable | TimeoutError | ConnectionError | OSError):
+        return True
+    if isinstance(current, aiormq.exceptions.ChannelInvalidStateError):
+        return True  # the channel died with its connection; a robust one is reopening it
+    if isinstance(current, RuntimeError) and _CLOSED_BY_AIO_PIKA.fullmatch(str(current)):
+        return True  # aiormq / aio-pika: "<Connection …> closed" while it reconnects
+    if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
+        return True
+    if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
+        return True
+    return isinstance(current, sqlalchemy.exc.TimeoutError)

@@ -25,7 +25,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
@@ -44,7 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import database, queries
 from worker.backoff import first
 from worker.database import PROBE_TIMEOUT
-from worker.errors import is_transient
+from worker.errors import PauseReason, is_transient
 from worker.settings import Settings, format_duration
 from worker.tables import INBOX_STATUSES
 
@@ -114,7 +114,19 @@ class Metrics:
         )
         self.consumer_pauses = Counter(
             "worker_consumer_pauses_total",
-            "Times consumption paused because PostgreSQL was unreachable.",
+            "Times consumption paused because PostgreSQL was unreachable or the deployment "
+            "(schema, privileges) did not match the code.",
+            registry=r,
+        )
+        self.consumer_paused = Gauge(
+            "worker_consumer_paused",
+            "1 while consumption is paused, by why: database-unreachable or deployment.",
+            ["reason"],
+            registry=r,
+        )
+        self.consumer_throttled = Gauge(
+            "worker_consumer_throttled",
+            "1 while the consumer takes one message at a time after consecutive dead letters.",
             registry=r,
         )
         self.relay_batch_rows = Histogram(
@@ -152,6 +164,7 @@ class Metrics:
             self.relay_messages.labels(result)
         for status in INBOX_STATUSES:
             self.inbox_rows.labels(status)
+        self.paused(None)
 
     def message(self, handler: str | None, outcome: str) -> None:
         """Count a delivery that ended with ``outcome`` (one of ``OUTCOMES``, not a dead letter)."""
@@ -179,9 +192,16 @@ class Metrics:
         """Observe one consumer transaction of ``messages`` deliveries."""
         self.batch_messages.observe(messages)
 
-    def paused(self) -> None:
-        """Count a pause of consumption for a database outage."""
-        self.consumer_pauses.inc()
+    def paused(self, reason: PauseReason | None) -> None:
+        """Record that consumption paused for ``reason``, or (None) that it resumed."""
+        for known in PauseReason:
+            self.consumer_paused.labels(known.value).set(1 if known is reason else 0)
+        if reason is not None:
+            self.consumer_pauses.inc()
+
+    def throttled(self, on: bool) -> None:
+        """Record that the consumer slowed down (or returned to full speed)."""
+        self.consumer_throttled.set(1 if on else 0)
 
     def relay_batch(self, rows: int, *, published: int, failed: int = 0, parked: int = 0) -> None:
         """Count one relay batch: ``rows`` claimed, of which ``published`` and ``failed`` (and of
@@ -226,6 +246,7 @@ class Health:
     broker: bool = False
     consuming: bool | None = None
     probed: bool = False
+    condition: Callable[[], Mapping[str, object]] | None = None
 
     async def probe(
         self,
@@ -262,13 +283,15 @@ class Health:
         setattr(self, check, ok)
 
     def report(self) -> tuple[bool, dict[str, Any]]:
-        """(healthy, the ``/healthz`` JSON): every check true, after at least one probe."""
+        """(healthy, the ``/healthz`` JSON): every check true, after at least one probe; with
+        the consumer's ``condition`` (why it is paused, whether it is throttled) when known."""
         checks: dict[str, bool] = {"database": self.database, "broker": self.broker}
         if self.consuming is not None:
             checks["consuming"] = self.consuming
-        healthy = self.probed and all(checks.values())
+        condition = self.condition() if self.condition is not None else {}
+        healthy = self.probed and all(checks.values()) and "paused" not in condition
         status = "ok" if healthy else ("failing" if self.probed else "starting")
-        return healthy, {"status": status, **checks}
+        return healthy, {"status": status, **checks, **condition}
 
 
 class HttpServer:
@@ -384,6 +407,7 @@ class Monitor:
         metrics: Metrics,
         *,
         consuming: Callable[[], bool] | None = None,
+        condition: Callable[[], Mapping[str, object]] | None = None,
         port: int | None = None,
         interval: float = REFRESH_INTERVAL,
         inbox_interval: float = INBOX_INTERVAL,
@@ -392,7 +416,7 @@ class Monitor:
         self.engine = engine
         self.connection = connection
         self.metrics = metrics
-        self.health = Health()
+        self.health = Health(condition=condition)
         self.consuming = consuming
         self.interval = interval
         self.inbox_interval = inbox_interval

@@ -18,6 +18,7 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from worker import schema
 from worker.backoff import while_starting
 from worker.consumer import Consumer
 from worker.database import check_durable_commits, create_engine
@@ -69,11 +70,14 @@ async def _reporting(settings: Settings, stats: Counter[str]) -> AsyncIterator[N
 
 
 async def _open_engine(
-    stack: contextlib.AsyncExitStack, settings: Settings, **kwargs: Any
+    stack: contextlib.AsyncExitStack, settings: Settings, router: Router | None, **kwargs: Any
 ) -> AsyncEngine:
+    """An engine on a database that commits durably and whose schema is at the code's head
+    (the worker's, and ``router``'s handler modules'); raises ``ConfigurationError`` if not."""
     engine = create_engine(settings, **kwargs)
     stack.push_async_callback(engine.dispose)
     await while_starting(log)(check_durable_commits, engine)
+    await schema.require_current(engine, settings, router)
     return engine
 
 
@@ -84,7 +88,7 @@ async def _open_relay(
 
     Its own connection keeps publisher flow control from ever holding up the consumer's acks.
     """
-    engine = await _open_engine(stack, settings, application_name="worker-relay", pool_size=2)
+    engine = await _open_engine(stack, settings, None, application_name="worker-relay", pool_size=2)
     connection = await connect_broker(settings, name="worker-relay")
     stack.push_async_callback(connection.close)
     relay = Relay(settings, engine, connection, stats, metrics)
@@ -97,13 +101,20 @@ async def _open_monitor(
     settings: Settings,
     connection: AbstractRobustConnection,
     metrics: Metrics,
-    consuming: Callable[[], bool] | None = None,
+    consumer: Consumer | None = None,
 ) -> Monitor:
     """``/healthz`` and ``/metrics``, listening before the process reports it started, on a
     one-connection pool of their own so that a busy consumer never looks like a dead database."""
     engine = create_engine(settings, application_name="worker-metrics", pool_size=1)
     stack.push_async_callback(engine.dispose)
-    monitor = Monitor(settings, engine, connection, metrics, consuming=consuming)
+    monitor = Monitor(
+        settings,
+        engine,
+        connection,
+        metrics,
+        consuming=None if consumer is None else (lambda: consumer.consuming),
+        condition=None if consumer is None else consumer.condition,
+    )
     stack.push_async_callback(monitor.close)
     await monitor.start()  # (it logs where it listens)
     return monitor
@@ -157,7 +168,7 @@ async def run(
     """
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
-        engine = await _open_engine(stack, settings)
+        engine = await _open_engine(stack, settings, router)
         metrics = Metrics()
         relay = await _open_relay(stack, settings, stats, metrics) if settings.relay else None
         connection = await connect_broker(settings)
@@ -186,9 +197,7 @@ async def run(
             components["relay"] = relay
         if settings.janitor:
             components["janitor"] = Janitor(settings, engine, stats, metrics)
-        components["monitor"] = await _open_monitor(
-            stack, settings, connection, metrics, lambda: consumer.consuming
-        )
+        components["monitor"] = await _open_monitor(stack, settings, connection, metrics, consumer)
 
         async def drain() -> None:
             log.info(

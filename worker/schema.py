@@ -13,8 +13,13 @@ from typing import Any
 
 from alembic import command
 from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import tables
+from worker.errors import ConfigurationError
 from worker.router import Router
 from worker.settings import Settings
 
@@ -75,3 +80,43 @@ def downgrade(settings: Settings, router: Router | None = None, revision: str = 
     """Undo migrations, handler modules first (they were applied last)."""
     for config in reversed(list(configs(settings, router))):
         command.downgrade(config, revision)
+
+
+def _history_name(config: Config) -> str:
+    table = config.get_main_option("version_table") or WORKER_VERSION_TABLE
+    return (
+        "worker"
+        if table == WORKER_VERSION_TABLE
+        else table.removeprefix(f"{WORKER_VERSION_TABLE}_")
+    )
+
+
+def _current_heads(connection: Connection, version_table: str) -> set[str]:
+    context = MigrationContext.configure(connection, opts={"version_table": version_table})
+    return set(context.get_current_heads())
+
+
+async def pending(engine: AsyncEngine, settings: Settings, router: Router | None) -> list[str]:
+    """The histories (``worker``, then each handler module's name) whose applied revision is not
+    their head: the tables the code expects may be missing. Empty when all are up to date."""
+    behind: list[str] = []
+    async with engine.connect() as conn:
+        for config in configs(settings, router):
+            heads = set(ScriptDirectory.from_config(config).get_heads())
+            table = config.get_main_option("version_table") or WORKER_VERSION_TABLE
+            current = await conn.run_sync(_current_heads, table)
+            if current != heads:
+                behind.append(_history_name(config))
+    return behind
+
+
+async def require_current(engine: AsyncEngine, settings: Settings, router: Router | None) -> None:
+    """Refuse to start while migrations are pending: a handler would meet missing tables and
+    every message would fail for the deployment's sake, not its own."""
+    behind = await pending(engine, settings, router)
+    if behind:
+        handlers = f" --handlers {','.join(settings.handlers)}" if settings.handlers else ""
+        raise ConfigurationError(
+            f"the database schema is behind the code ({', '.join(behind)} not at head): "
+            f"run `worker migrate{handlers}` first"
+        )
