@@ -448,3 +448,28 @@ async def test_the_harness_and_the_worker_agree(
     assert counts == {name: worker.stats[name] for name in outcome_names}
     assert {d.reason for d in harness.dead_letters} >= {"invalid", "key-reused", "handler-error"}
     assert harness_events  # the comparison was not vacuous
+
+
+async def test_a_missing_table_is_raised_to_the_test_not_dead_lettered(
+    engine: AsyncEngine,
+) -> None:
+    # Given a handler whose table does not exist (its migration was never applied)
+    router = Router()
+
+    @router.handler("audit")
+    async def audit(body: dict[str, Any], ctx: Context) -> None:
+        await ctx.connection.execute(text("INSERT INTO no_such_table VALUES (1)"))
+
+    harness = Harness(router, engine)
+    # Then, as the worker would pause rather than park, the harness raises it to the test
+    with pytest.raises(Exception, match="no_such_table"):
+        await harness.deliver("audit", {"n": 1}, key="k-audit")
+    assert harness.dead_letters == []
+    assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
+
+
+async def test_the_harness_keeps_the_workers_depth_limit(engine: AsyncEngine) -> None:
+    harness = Harness(payments, engine, max_json_depth=2)
+    deep = b'{"a": {"b": {"c": 1}}, "payment_id": "p", "account": "a", "amount_cents": 1}'
+    delivered = await harness.deliver("payment.requested", deep, key="k-deep")
+    assert (delivered.outcome, delivered.reason) == ("dead_lettered", "body-too-deep")

@@ -57,7 +57,7 @@ from worker.envelope import (
     key_or_none,
     open_envelope,
 )
-from worker.errors import KeyReused, Rejected
+from worker.errors import Fault, KeyReused, Rejected, classify
 from worker.queries import OutboxRow
 from worker.relay import message_of
 from worker.router import Router
@@ -171,7 +171,8 @@ class Harness:
     one has its key recorded as failed (except ``key-reused``). Unlike the consumer: a failure
     that is still transient after the last try, or one the worker would park as
     ``internal-error``, is raised to the test (the worker would schedule a delayed retry or log
-    the bug); the relay is ``relay()``, run after every delivery, which drains the outbox table
+    the bug), and so is the deployment's fault (a missing table or privilege: the worker would
+    pause); the relay is ``relay()``, run after every delivery, which drains the outbox table
     into ``published`` without publishing.
     """
 
@@ -182,6 +183,7 @@ class Harness:
         *,
         exchange: str = "events",
         max_body_bytes: int = Settings.max_body_bytes,
+        max_json_depth: int = Settings.max_json_depth,
         workflow_lease: float = Settings.workflow_lease,
         transient_attempts: int = 1,
     ) -> None:
@@ -189,6 +191,7 @@ class Harness:
         self.engine = engine
         self.exchange = exchange
         self.max_body_bytes = max_body_bytes
+        self.max_json_depth = max_json_depth
         self.workflow_lease = workflow_lease
         self.transient_attempts = transient_attempts
         self.published: list[Published] = []
@@ -201,13 +204,14 @@ class Harness:
 
     @classmethod
     def from_settings(cls, router: Router, engine: AsyncEngine, settings: Settings) -> Harness:
-        """A harness with the worker's exchange, body limit, workflow lease and in-process
-        tries from ``settings``."""
+        """A harness with the worker's exchange, body and depth limits, workflow lease and
+        in-process tries from ``settings``."""
         return cls(
             router,
             engine,
             exchange=settings.exchange,
             max_body_bytes=settings.max_body_bytes,
+            max_json_depth=settings.max_json_depth,
             workflow_lease=settings.workflow_lease,
             transient_attempts=settings.transient_attempts,
         )
@@ -296,7 +300,12 @@ class Harness:
     async def _handle(self, delivery: Delivery) -> Delivered:
         envelope: Envelope | None = None
         try:
-            envelope = open_envelope(delivery, self.router, max_body_bytes=self.max_body_bytes)
+            envelope = open_envelope(
+                delivery,
+                self.router,
+                max_body_bytes=self.max_body_bytes,
+                max_depth=self.max_json_depth,
+            )
             outcome: Outcome = await backoff.in_process(self.transient_attempts, log)(
                 workflows.apply,
                 self.engine,
@@ -305,6 +314,8 @@ class Harness:
                 lease=self.workflow_lease,
             )
         except Rejected as exc:
+            if classify(exc) is Fault.DEPLOYMENT:
+                raise  # the worker pauses: nothing is parked, and the test should say why
             return await self._dead_letter(delivery, envelope, exc)
         async with self.engine.connect() as conn:
             key = (envelope.handler.name, envelope.key)
