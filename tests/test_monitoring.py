@@ -52,6 +52,7 @@ async def test_a_running_worker_reports_health_and_counts_by_handler(
             "database": True,
             "broker": True,
             "consuming": True,
+            "throttled": False,
         }
 
         status, body = await asyncio.to_thread(get, f"http://127.0.0.1:{port}/metrics")

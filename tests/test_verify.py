@@ -315,7 +315,17 @@ async def test_queued_and_parked_messages(
         )
 
     unasked = await run_checks(settings, engine, amqp)
-    strict = await run_checks(settings, engine, amqp, quiet_queue=True, no_dead_letters=True)
+    strict: dict[str, verify.Check] = {}
+
+    async def retry_copy_seen() -> bool:
+        # (while the broker moves an expired copy from the retry queue to the work queue, it
+        # is counted in neither for a moment: ask again)
+        strict.update(
+            await run_checks(settings, engine, amqp, quiet_queue=True, no_dead_letters=True)
+        )
+        return not strict["work-queue-empty"].ok
+
+    await wait_until(retry_copy_seen)
 
     assert "work-queue-empty" not in unasked
     parked = f"3 message(s) in {settings.dead_letter_queue}: handler-error=1 invalid=2"
