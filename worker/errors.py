@@ -6,7 +6,10 @@ Every exception's docstring is its default message. ``Rejected`` subclasses carr
 
 from __future__ import annotations
 
+import contextlib
 import re
+import ssl
+from collections.abc import Iterator
 
 import aiormq.exceptions
 import asyncpg
@@ -22,6 +25,10 @@ class WorkerError(Exception):
 
 class ConfigurationError(WorkerError):
     """The worker's configuration is invalid."""
+
+
+class AccessRefused(ConfigurationError):
+    """PostgreSQL or RabbitMQ refused the worker's credentials, database or TLS settings."""
 
 
 class HandlerRegistrationError(ConfigurationError):
@@ -131,8 +138,10 @@ def is_transient(exc: BaseException) -> bool:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, Permanent | aiormq.exceptions.AuthenticationError):
+        if isinstance(current, Permanent):
             return False
+        if _refused(current) is not None:
+            return True  # not the message's fault: a rotated password, an expired certificate
         if isinstance(current, Retryable | TimeoutError | ConnectionError | OSError):
             return True
         if isinstance(current, aiormq.exceptions.ChannelInvalidStateError):
@@ -150,3 +159,93 @@ def is_transient(exc: BaseException) -> bool:
             return True
         current = current.__cause__ or current.__context__
     return False
+
+
+_REFUSED_BY_POSTGRES = {
+    "28P01": "PostgreSQL refused the password: fix the user or password in the database URL "
+    "(WORKER_DATABASE_URL)",
+    "3D000": "PostgreSQL has no such database: create it or fix the database name in the "
+    "database URL (WORKER_DATABASE_URL)",
+    "28": "PostgreSQL refused the login: fix the user or sslmode in the database URL "
+    "(WORKER_DATABASE_URL), or pg_hba.conf on the server",
+}
+"""What to fix, by SQLSTATE (or its class, by its first two characters)."""
+
+_CLOSED_AT_OPEN = re.compile(r"Expected one of \['Connection\.OpenOk'\], got <Connection\.Close\b")
+"""How aiormq words RabbitMQ closing the connection at ``Connection.Open``: the virtual host
+does not exist or the user may not use it (the broker's reply text is lost)."""
+
+
+_CUT_OFF = ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
+"""TLS errors of a connection cut short (a server restarting mid-handshake): transient."""
+
+
+def refusal(exc: BaseException) -> AccessRefused | None:
+    """An ``AccessRefused`` naming what to fix when ``exc`` (or what it wraps) says PostgreSQL or
+    RabbitMQ refused the worker's login, database, virtual host or TLS handshake; else None.
+
+    Waiting does not fix these, so the start-up backoff (``backoff.while_starting``) does not
+    retry them; on the message path they are transient (``is_transient``), never the message's
+    fault.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        what = _refused(current)
+        if what is not None:
+            return AccessRefused(f"{what} (the server said: {_first_line(current)})")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_transient_at_start(exc: BaseException) -> bool:
+    """True when a connection attempt at start-up is worth repeating: a transient failure that
+    is not a refusal (a server still starting, not a wrong password or certificate)."""
+    return is_transient(exc) and refusal(exc) is None
+
+
+@contextlib.contextmanager
+def refusals_explained() -> Iterator[None]:
+    """Turn a refusal raised inside the block into ``AccessRefused`` (see ``refusal``)."""
+    try:
+        yield
+    except Exception as exc:
+        refused = refusal(exc)
+        if refused is None:
+            raise
+        raise refused from exc
+
+
+def _refused(exc: BaseException) -> str | None:
+    """What to fix when ``exc`` itself is a refusal; None otherwise."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            "the server's TLS certificate is not trusted: fix sslrootcert or sslmode in the "
+            "database URL, or cafile in the broker URL (amqps://), or the server's certificate"
+        )
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, _CUT_OFF):
+        return (
+            "the TLS handshake failed: check sslmode in the database URL, or amqps:// and its "
+            "port in the broker URL, against the server's TLS settings"
+        )
+    if isinstance(exc, ConnectionError) and "rejected SSL upgrade" in str(exc):
+        return "PostgreSQL does not offer TLS: enable ssl on the server or lower sslmode"
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+        return "RabbitMQ refused the login: fix the user or password in the broker URL"
+    if isinstance(exc, aiormq.exceptions.AuthenticationError):
+        return "RabbitMQ offers none of the client's login mechanisms: fix auth= in the broker URL"
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and _CLOSED_AT_OPEN.match(str(exc)):
+        return (
+            "RabbitMQ refused the virtual host: it does not exist or the user has no permission "
+            "on it; fix the path of the broker URL (WORKER_AMQP_URL) or the user's permissions"
+        )
+    if isinstance(exc, asyncpg.PostgresError):
+        sqlstate = exc.sqlstate or ""
+        return _REFUSED_BY_POSTGRES.get(sqlstate) or _REFUSED_BY_POSTGRES.get(sqlstate[:2])
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]
