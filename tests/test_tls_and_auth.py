@@ -11,7 +11,7 @@ import os
 import ssl
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -213,39 +213,33 @@ def _on(cluster: TlsCluster, query: str, **url: Any) -> Settings:
     return BASE.replace(database_url=cluster.url(query, **url))
 
 
-async def _start(settings: Settings) -> int:
-    """Check the database as ``worker run`` does at start; the attempts it took."""
-    attempts = 0
+class Counted:
+    """An async function whose calls are counted: the attempts a retry policy made."""
 
-    async def attempt(engine: AsyncEngine) -> None:
-        nonlocal attempts
-        attempts += 1
-        await check_durable_commits(engine)
+    def __init__(self, function: Callable[..., Awaitable[Any]]) -> None:
+        self.function = function
+        self.calls = 0
 
+    async def __call__(self, *args: Any) -> Any:
+        self.calls += 1
+        return await self.function(*args)
+
+
+async def _start(settings: Settings, attempt: Counted) -> None:
+    """Check the database as ``worker run`` does at start (``while_starting``)."""
     engine = create_engine(settings, pool_size=1)
     try:
         await backoff.while_starting()(attempt, engine)
     finally:
         await engine.dispose()
-    return attempts
 
 
 async def _refused_at_start(settings: Settings) -> tuple[str, int]:
     """The message of the refusal ``_start`` raises, and how many attempts it had made."""
-    attempts = 0
-
-    async def counting(engine: AsyncEngine) -> None:
-        nonlocal attempts
-        attempts += 1
-        await check_durable_commits(engine)
-
-    engine = create_engine(settings, pool_size=1)
-    try:
-        with pytest.raises(AccessRefused) as refused:
-            await backoff.while_starting()(counting, engine)
-    finally:
-        await engine.dispose()
-    return str(refused.value), attempts
+    attempt = Counted(check_durable_commits)
+    with pytest.raises(AccessRefused) as refused:
+        await _start(settings, attempt)
+    return str(refused.value), attempt.calls
 
 
 async def _uses_tls(engine: AsyncEngine) -> bool:
@@ -253,7 +247,9 @@ async def _uses_tls(engine: AsyncEngine) -> bool:
 
 
 async def test_sslmode_require_connects_over_tls(cluster: TlsCluster) -> None:
-    assert await _start(_on(cluster, "sslmode=require")) == 1
+    attempt = Counted(check_durable_commits)
+    await _start(_on(cluster, "sslmode=require"), attempt)
+    assert attempt.calls == 1
     engine = create_engine(_on(cluster, "sslmode=require"), pool_size=1)
     try:
         assert await _uses_tls(engine)
@@ -366,29 +362,24 @@ def test_a_wrong_broker_password_stops_a_command_at_once() -> None:
     assert "bogus" not in result.stderr + result.stdout
 
 
-async def _connect_counting(url: str) -> tuple[AbstractRobustConnection | None, int]:
-    """Connect as the worker does at start (``while_starting``); the attempts it took."""
-    attempts = 0
+async def _connect(url: str) -> tuple[AbstractRobustConnection, Counted]:
+    """Connect as the worker does at start (``while_starting``); with the attempts counted."""
+    attempt = Counted(aio_pika.connect_robust)
+    connection: AbstractRobustConnection = await backoff.while_starting()(attempt, url)
+    return connection, attempt
 
-    async def attempt() -> AbstractRobustConnection:
-        nonlocal attempts
-        attempts += 1
-        return await aio_pika.connect_robust(url)
 
-    connection: AbstractRobustConnection = await backoff.while_starting()(attempt)
-    return connection, attempts
+async def _refused_broker(url: str) -> tuple[str, int]:
+    """The refusal connecting to ``url`` raised at start, and the attempts it took."""
+    attempt = Counted(aio_pika.connect_robust)
+    with pytest.raises(AccessRefused) as refused:
+        await backoff.while_starting()(attempt, url)
+    return str(refused.value), attempt.calls
 
 
 async def test_a_missing_virtual_host_fails_at_the_first_attempt() -> None:
-    attempts = 0
-
-    async def attempt() -> None:
-        nonlocal attempts
-        attempts += 1
-        await aio_pika.connect_robust("amqp://guest:guest@127.0.0.1:5672/no-such-vhost")
-
-    with pytest.raises(AccessRefused, match="RabbitMQ refused the virtual host"):
-        await backoff.while_starting()(attempt)
+    message, attempts = await _refused_broker("amqp://guest:guest@127.0.0.1:5672/no-such-vhost")
+    assert "RabbitMQ refused the virtual host" in message
     assert attempts == 1
 
 
@@ -404,36 +395,27 @@ async def test_amqps_with_a_cafile_in_the_url_connects(certs: Certificates) -> N
         url = f"amqps://guest:guest@localhost:{listener.port}/?cafile={certs.ca_file}"
 
         # When the worker connects with the CA named in the URL
-        connection, attempts = await _connect_counting(url)
-        assert connection is not None
+        connection, attempt = await _connect(url)
         try:
             # Then the AMQP session works over the verified TLS connection
             channel = await connection.channel()
             queue = await channel.declare_queue(exclusive=True)
             assert queue.declaration_result.message_count == 0
-            assert attempts == 1
+            assert attempt.calls == 1
         finally:
             await connection.close()
 
 
 async def test_amqps_with_a_wrong_cafile_fails_at_the_first_attempt(certs: Certificates) -> None:
     async with tcp_proxy("127.0.0.1", 5672, tls=_tls_server(certs)) as listener:
-        attempts = 0
-
-        async def attempt() -> None:
-            nonlocal attempts
-            attempts += 1
-            url = f"amqps://guest:guest@localhost:{listener.port}/?cafile={certs.wrong_ca_file}"
-            await aio_pika.connect_robust(url)
-
-        with pytest.raises(AccessRefused, match="TLS certificate is not trusted"):
-            await backoff.while_starting()(attempt)
+        wrong = f"amqps://guest:guest@localhost:{listener.port}/?cafile={certs.wrong_ca_file}"
+        message, attempts = await _refused_broker(wrong)
+        assert "TLS certificate is not trusted" in message
         assert attempts == 1
 
         # and no_verify_ssl=1, also read from the URL, accepts the same server
         unverified = f"amqps://guest:guest@localhost:{listener.port}/?no_verify_ssl=1"
-        connection, _ = await _connect_counting(unverified)
-        assert connection is not None
+        connection, _ = await _connect(unverified)
         await connection.close()
 
 

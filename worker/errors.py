@@ -194,7 +194,7 @@ def refusal(exc: BaseException) -> AccessRefused | None:
         seen.add(id(current))
         what = _refused(current)
         if what is not None:
-            return AccessRefused(f"{what} (the server said: {_first_line(current)})")
+            return AccessRefused(f"{what}; the server said: {_first_line(current)}")
         current = current.__cause__ or current.__context__
     return None
 
