@@ -52,8 +52,11 @@ def _ssl(query: str) -> Any:
 
 @pytest.fixture
 def no_dot_postgresql(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A home without ``~/.postgresql``, whose files libpq (and the worker) would use."""
+    """A home without ``~/.postgresql``, and no ``PGSSL*`` variables: the files libpq (and the
+    worker) would use when the URL names none."""
     monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("PGSSLROOTCERT", "PGSSLCERT", "PGSSLKEY", "PGSSLCRL"):
+        monkeypatch.delenv(name, raising=False)
     return tmp_path
 
 
@@ -90,14 +93,34 @@ def test_require_encrypts_without_verifying_unless_given_a_root_certificate(
     assert (rooted.verify_mode, rooted.check_hostname) == (ssl.CERT_REQUIRED, False)
 
 
-def test_verify_full_checks_the_chain_and_the_host_name(certs: Certificates) -> None:
+def _trusted(context: ssl.SSLContext) -> list[str]:
+    """The common names of the CAs ``context`` trusts."""
+    return [dict(rdn[0] for rdn in ca["subject"])["commonName"] for ca in context.get_ca_certs()]
+
+
+def test_files_come_from_libpqs_variables_when_the_url_names_none(
+    certs: Certificates, no_dot_postgresql: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PGSSLROOTCERT", str(certs.wrong_ca_file))
+    from_variable = _ssl("sslmode=verify-ca")
+    assert from_variable.verify_mode == ssl.CERT_REQUIRED
+    assert _trusted(from_variable) == ["worker test wrong-ca"]
+    # the URL wins over the variable
+    assert _trusted(_ssl(f"sslmode=verify-ca&sslrootcert={certs.ca_file}")) == ["worker test ca"]
+
+
+def test_verify_full_checks_the_chain_and_the_host_name(
+    certs: Certificates, no_dot_postgresql: Path
+) -> None:
     context = _ssl(f"sslmode=verify-full&sslrootcert={certs.ca_file}&sslcrl=")
     assert (context.verify_mode, context.check_hostname) == (ssl.CERT_REQUIRED, True)
     verify_ca = _ssl(f"ssl=verify-ca&sslrootcert={certs.ca_file}")
     assert (verify_ca.verify_mode, verify_ca.check_hostname) == (ssl.CERT_REQUIRED, False)
 
 
-def test_the_tls_options_leave_the_url_and_the_others_stay(certs: Certificates) -> None:
+def test_the_tls_options_leave_the_url_and_the_others_stay(
+    certs: Certificates, no_dot_postgresql: Path
+) -> None:
     url, connect_args = connect_options(
         "postgresql+asyncpg://u@h/app?sslmode=verify-full"
         f"&sslrootcert={certs.ca_file}&sslcert={certs.server_cert}&sslkey={certs.server_key}"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -105,12 +106,12 @@ def ssl_argument(options: Mapping[str, str]) -> ssl.SSLContext | str | bool:
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.check_hostname = mode == "verify-full"
-    _trust_root(context, mode, options.get("sslrootcert") or _in_dot_postgresql("root.crt"))
-    if crl := options.get("sslcrl"):
+    _trust_root(context, mode, _file(options, "sslrootcert", "root.crt"))
+    if crl := _file(options, "sslcrl"):
         _load("sslcrl", crl, lambda: context.load_verify_locations(cafile=crl))
         context.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
-    if cert := options.get("sslcert") or _in_dot_postgresql("postgresql.crt"):
-        key = options.get("sslkey") or _in_dot_postgresql("postgresql.key")
+    if cert := _file(options, "sslcert", "postgresql.crt"):
+        key = _file(options, "sslkey", "postgresql.key")
         password = options.get("sslpassword")
         _load("sslcert", cert, lambda: context.load_cert_chain(cert, key, password))
     return context
@@ -143,10 +144,14 @@ def _load(option: str, path: str, load: Callable[[], None]) -> None:
         raise ConfigurationError(f"database_url: {option}={path}: {reason}") from exc
 
 
-def _in_dot_postgresql(name: str) -> str | None:
-    """libpq's default file ``~/.postgresql/name``, when it exists."""
-    path = Path("~/.postgresql", name).expanduser()
-    return str(path) if path.is_file() else None
+def _file(options: Mapping[str, str], option: str, default: str | None = None) -> str | None:
+    """The file ``option`` names, as libpq finds it: in the URL, else in its environment
+    variable (``sslrootcert``: ``PGSSLROOTCERT``), else ``~/.postgresql/<default>`` if it
+    exists."""
+    if found := options.get(option) or os.environ.get(f"PG{option.upper()}"):
+        return found
+    path = Path("~/.postgresql", default).expanduser() if default else None
+    return str(path) if path is not None and path.is_file() else None
 
 
 def _single(name: str, value: str | tuple[str, ...]) -> str:
