@@ -162,12 +162,11 @@ def is_transient(exc: BaseException) -> bool:
 
 
 _REFUSED_BY_POSTGRES = {
-    "28P01": "PostgreSQL refused the password: fix the user or password in the database URL "
-    "(WORKER_DATABASE_URL)",
-    "3D000": "PostgreSQL has no such database: create it or fix the database name in the "
-    "database URL (WORKER_DATABASE_URL)",
-    "28": "PostgreSQL refused the login: fix the user or sslmode in the database URL "
-    "(WORKER_DATABASE_URL), or pg_hba.conf on the server",
+    "28P01": "PostgreSQL refused the password: fix the user or password in WORKER_DATABASE_URL",
+    "3D000": "PostgreSQL has no such database: create it, or fix the database name in "
+    "WORKER_DATABASE_URL",
+    "28": "PostgreSQL refused the login: fix the user or sslmode in WORKER_DATABASE_URL, or "
+    "pg_hba.conf on the server",
 }
 """What to fix, by SQLSTATE (or its class, by its first two characters)."""
 
@@ -221,24 +220,27 @@ def _refused(exc: BaseException) -> str | None:
     """What to fix when ``exc`` itself is a refusal; None otherwise."""
     if isinstance(exc, ssl.SSLCertVerificationError):
         return (
-            "the server's TLS certificate is not trusted: fix sslrootcert or sslmode in the "
-            "database URL, or cafile in the broker URL (amqps://), or the server's certificate"
+            "the server's TLS certificate is not trusted: fix sslrootcert or sslmode in "
+            "WORKER_DATABASE_URL, or cafile in WORKER_AMQP_URL, or the server's certificate"
         )
     if isinstance(exc, ssl.SSLError) and not isinstance(exc, _CUT_OFF):
         return (
-            "the TLS handshake failed: check sslmode in the database URL, or amqps:// and its "
-            "port in the broker URL, against the server's TLS settings"
+            "the TLS handshake failed: check sslmode in WORKER_DATABASE_URL, or amqps:// and "
+            "its port in WORKER_AMQP_URL, against the server's TLS settings"
         )
     if isinstance(exc, ConnectionError) and "rejected SSL upgrade" in str(exc):
-        return "PostgreSQL does not offer TLS: enable ssl on the server or lower sslmode"
+        return (
+            "PostgreSQL does not offer TLS: enable ssl on the server, or lower sslmode in "
+            "WORKER_DATABASE_URL"
+        )
     if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
-        return "RabbitMQ refused the login: fix the user or password in the broker URL"
+        return "RabbitMQ refused the login: fix the user or password in WORKER_AMQP_URL"
     if isinstance(exc, aiormq.exceptions.AuthenticationError):
-        return "RabbitMQ offers none of the client's login mechanisms: fix auth= in the broker URL"
+        return "RabbitMQ offers none of the client's login mechanisms: fix auth= in WORKER_AMQP_URL"
     if isinstance(exc, aiormq.exceptions.InvalidFrameError) and _CLOSED_AT_OPEN.match(str(exc)):
         return (
             "RabbitMQ refused the virtual host: it does not exist or the user has no permission "
-            "on it; fix the path of the broker URL (WORKER_AMQP_URL) or the user's permissions"
+            "on it; fix the path of WORKER_AMQP_URL or the user's permissions"
         )
     if isinstance(exc, asyncpg.PostgresError):
         sqlstate = exc.sqlstate or ""
