@@ -1,18 +1,23 @@
 """A TCP proxy a test can cut: the worker talks to PostgreSQL through it, and ``down()`` makes
-the server unreachable (every connection dropped, new ones refused) until ``up()``."""
+the server unreachable (every connection dropped, new ones refused) until ``up()``. Given an
+``ssl`` context it terminates TLS, so a plain server can be reached as a TLS one."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
 
 
 class TcpProxy:
     """Forwards 127.0.0.1:<port> to ``target_host:target_port`` while up."""
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(
+        self, target_host: str, target_port: int, *, tls: ssl.SSLContext | None = None
+    ) -> None:
         self.target = (target_host, target_port)
+        self.tls = tls
         self.port = 0
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
@@ -20,7 +25,7 @@ class TcpProxy:
 
     async def up(self) -> None:
         """Accept connections (on the same port as before, if there was one)."""
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, ssl=self.tls)
         self.port = self._server.sockets[0].getsockname()[1]
 
     async def down(self) -> None:
@@ -65,8 +70,10 @@ class TcpProxy:
 
 
 @contextlib.asynccontextmanager
-async def tcp_proxy(target_host: str, target_port: int) -> AsyncIterator[TcpProxy]:
-    proxy = TcpProxy(target_host, target_port)
+async def tcp_proxy(
+    target_host: str, target_port: int, *, tls: ssl.SSLContext | None = None
+) -> AsyncIterator[TcpProxy]:
+    proxy = TcpProxy(target_host, target_port, tls=tls)
     await proxy.up()
     try:
         yield proxy

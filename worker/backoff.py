@@ -2,14 +2,16 @@
 
 All retries go through tenacity with jittered exponential backoff and retry only what
 ``errors.is_transient`` calls transient; a policy bound to a stop event stops waiting at shutdown.
+At start-up a refusal (a wrong password, a missing database or virtual host, an untrusted
+certificate) is not retried: it raises ``AccessRefused`` at the first attempt, naming what to fix.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from tenacity import (
     AsyncRetrying,
@@ -22,9 +24,11 @@ from tenacity import (
     wait_random,
 )
 
-from worker.errors import is_transient
+from worker.errors import is_transient, is_transient_at_start, refusals_explained
 
 log = logging.getLogger("worker")
+
+T = TypeVar("T")
 
 STARTUP_TIMEOUT = 60.0
 """Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts.
@@ -32,12 +36,24 @@ STARTUP_TIMEOUT = 60.0
 Each policy logs its retries on ``logger``, the caller's, so a warning names who is retrying."""
 
 
+class _Starting(AsyncRetrying):
+    """Retries that turn a refusal, which they never retry, into ``AccessRefused``."""
+
+    async def __call__(  # type: ignore[override]
+        self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any
+    ) -> T:
+        with refusals_explained():
+            result: T = await super().__call__(fn, *args, **kwargs)
+            return result
+
+
 def while_starting(logger: logging.Logger = log) -> AsyncRetrying:
-    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up."""
-    return AsyncRetrying(
+    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up; a
+    refusal raises ``AccessRefused`` at once."""
+    return _Starting(
         stop=stop_after_delay(STARTUP_TIMEOUT),
         wait=wait_exponential(multiplier=0.2, max=5),
-        retry=retry_if_exception(is_transient),
+        retry=retry_if_exception(is_transient_at_start),
         before_sleep=before_sleep_log(logger, logging.WARNING),
         reraise=True,
     )

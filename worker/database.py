@@ -1,40 +1,173 @@
-"""The SQLAlchemy engine the worker runs on (asyncpg driver), sized to its concurrency."""
+"""The SQLAlchemy engines the worker runs on (asyncpg driver), sized to its concurrency.
+
+Every engine comes from ``engine_for``, so each one reads ``WORKER_DATABASE_URL`` the same way
+(libpq's ``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``, ``sslcrl`` and ``sslpassword``
+mean what they mean to ``psql``) and none ever writes a statement's parameters, which are
+business data, into an error message (``hide_parameters``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+import ssl
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
 
+from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from worker import queries
-from worker.errors import ConfigurationError
+from worker.errors import ConfigurationError, refusals_explained
 from worker.settings import Settings
 
 PROBE_TIMEOUT = 5.0
 """Seconds PostgreSQL has to answer a probe before it counts as unreachable."""
+
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+"""libpq's ``sslmode`` values, weakest first."""
+
+SSL_PARAMETERS = frozenset(
+    {"sslmode", "ssl", "sslrootcert", "sslcert", "sslkey", "sslcrl", "sslpassword"}
+)
+"""URL query parameters turned into the ``ssl`` connect argument (``ssl`` is an alias of
+``sslmode``, as SQLAlchemy's asyncpg documentation spells it)."""
+
+PASSED_THROUGH = frozenset(
+    {"prepared_statement_cache_size", "target_session_attrs", "passfile", "krbsrvname", "gsslib"}
+)
+"""URL query parameters handed to asyncpg as they are."""
+
+
+def engine_for(
+    sqlalchemy_url: str, *, application_name: str = "worker", **pool: Any
+) -> AsyncEngine:
+    """An engine for ``sqlalchemy_url`` (a ``postgresql+asyncpg://`` URL that may carry libpq's
+    TLS options), with statement parameters hidden from its errors; ``pool`` sizes its pool."""
+    url, connect_args = connect_options(sqlalchemy_url)
+    connect_args["server_settings"] = {"application_name": application_name}
+    return create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
 
 
 def create_engine(
     settings: Settings, *, application_name: str = "worker", pool_size: int | None = None
 ) -> AsyncEngine:
     """An engine whose pool holds one connection per concurrent unit of work (or ``pool_size``)."""
-    return create_async_engine(
+    return engine_for(
         settings.sqlalchemy_url,
+        application_name=application_name,
         pool_size=settings.concurrency if pool_size is None else pool_size,
         max_overflow=2,
         pool_timeout=60,
-        connect_args={"server_settings": {"application_name": application_name}},
     )
+
+
+def connect_options(sqlalchemy_url: str) -> tuple[URL, dict[str, Any]]:
+    """``sqlalchemy_url`` without its TLS options, and the asyncpg connect arguments they mean.
+
+    Without ``sslmode`` nothing is set, and asyncpg applies libpq's defaults (``prefer``, or
+    ``PGSSLMODE``). Raises ``ConfigurationError`` for an unknown parameter or value, or a
+    certificate file that cannot be read.
+    """
+    url = make_url(sqlalchemy_url)
+    query = {name: _single(name, value) for name, value in url.query.items()}
+    unknown = sorted(set(query) - SSL_PARAMETERS - PASSED_THROUGH)
+    if unknown:
+        raise ConfigurationError(
+            f"database_url: unknown query parameter {unknown[0]!r}; the worker understands "
+            f"{', '.join(sorted(SSL_PARAMETERS | PASSED_THROUGH))}"
+        )
+    connect_args: dict[str, Any] = {}
+    if "ssl" in query or "sslmode" in query:
+        connect_args["ssl"] = ssl_argument(query)
+    return url.difference_update_query(SSL_PARAMETERS), connect_args
+
+
+def ssl_argument(options: Mapping[str, str]) -> ssl.SSLContext | str | bool:
+    """asyncpg's ``ssl`` argument for libpq's TLS ``options`` (``sslmode`` and its files).
+
+    ``disable`` is False; ``allow`` and ``prefer`` stay asyncpg's own modes, which fall back to
+    (or from) plain TCP and never verify the server; ``require``, ``verify-ca`` and
+    ``verify-full`` are a context that insists on TLS. As in libpq, ``require`` verifies the
+    server's chain when a root certificate is given (then it acts as ``verify-ca``), and
+    ``verify-full`` also checks that the certificate names the host.
+    """
+    mode = options.get("sslmode", options.get("ssl", ""))
+    if mode not in SSL_MODES:
+        raise ConfigurationError(
+            f"database_url: sslmode={mode!r} is not one of {', '.join(SSL_MODES)}"
+        )
+    if mode == "disable":
+        return False
+    if mode in {"allow", "prefer"}:
+        return mode
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.check_hostname = mode == "verify-full"
+    _trust_root(context, mode, _file(options, "sslrootcert", "root.crt"))
+    if crl := _file(options, "sslcrl"):
+        _load("sslcrl", crl, lambda: context.load_verify_locations(cafile=crl))
+        context.verify_flags |= ssl.VERIFY_CRL_CHECK_CHAIN
+    if cert := _file(options, "sslcert", "postgresql.crt"):
+        key = _file(options, "sslkey", "postgresql.key")
+        password = options.get("sslpassword")
+        _load("sslcert", cert, lambda: context.load_cert_chain(cert, key, password))
+    return context
+
+
+def _trust_root(context: ssl.SSLContext, mode: str, root: str | None) -> None:
+    """Verify the server's chain against ``root`` (``system``: the system's CAs), or not at all
+    under plain ``require`` without one; the ``verify-*`` modes need one."""
+    if root == "system":
+        context.load_default_certs(ssl.Purpose.SERVER_AUTH)
+    elif root is not None:
+        _load("sslrootcert", root, lambda: context.load_verify_locations(cafile=root))
+    elif mode == "require":
+        context.verify_mode = ssl.CERT_NONE
+        return
+    else:
+        raise ConfigurationError(
+            f"database_url: sslmode={mode} needs sslrootcert=<CA certificate file> "
+            "(or sslrootcert=system to trust the system's certificate authorities)"
+        )
+    context.verify_mode = ssl.CERT_REQUIRED
+
+
+def _load(option: str, path: str, load: Callable[[], None]) -> None:
+    """Run ``load`` (reading ``path``); a file that cannot be read or parsed names its option."""
+    try:
+        load()
+    except (OSError, ssl.SSLError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigurationError(f"database_url: {option}={path}: {reason}") from exc
+
+
+def _file(options: Mapping[str, str], option: str, default: str | None = None) -> str | None:
+    """The file ``option`` names, as libpq finds it: in the URL, else in its environment
+    variable (``sslrootcert``: ``PGSSLROOTCERT``), else ``~/.postgresql/<default>`` if it
+    exists."""
+    if found := options.get(option) or os.environ.get(f"PG{option.upper()}"):
+        return found
+    path = Path("~/.postgresql", default).expanduser() if default else None
+    return str(path) if path is not None and path.is_file() else None
+
+
+def _single(name: str, value: str | tuple[str, ...]) -> str:
+    if isinstance(value, tuple):
+        raise ConfigurationError(f"database_url: {name} is given more than once")
+    return value
 
 
 @contextlib.asynccontextmanager
 async def one_connection(settings: Settings, application_name: str) -> AsyncIterator[AsyncEngine]:
-    """A one-connection engine for a command or a check, disposed of on exit."""
+    """A one-connection engine for a command or a check, disposed of on exit; a refused login
+    or TLS handshake raises ``AccessRefused`` naming what to fix."""
     engine = create_engine(settings, application_name=application_name, pool_size=1)
     try:
-        yield engine
+        with refusals_explained():
+            yield engine
     finally:
         await engine.dispose()
 

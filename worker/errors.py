@@ -6,8 +6,11 @@ Every exception's docstring is its default message. ``Rejected`` subclasses carr
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
+import ssl
+from collections.abc import Iterator
 
 import aiormq.exceptions
 import asyncpg
@@ -23,6 +26,10 @@ class WorkerError(Exception):
 
 class ConfigurationError(WorkerError):
     """The worker's configuration is invalid."""
+
+
+class AccessRefused(ConfigurationError):
+    """PostgreSQL or RabbitMQ refused the worker's credentials, database or TLS settings."""
 
 
 class HandlerRegistrationError(ConfigurationError):
@@ -166,7 +173,8 @@ privilege — the schema or the grants do not match the code, whatever the messa
 def classify(exc: BaseException) -> Fault:
     """Whose fault ``exc`` (or what it wraps) is: the one place that decides.
 
-    Connection loss, timeouts, serialization failures, deadlocks and ``Retryable`` are transient;
+    Connection loss, timeouts, serialization failures, deadlocks and ``Retryable`` are transient,
+    and so is a refusal (``refusal``: a rotated password, an expired certificate) once running;
     a PostgreSQL error of SQLSTATE class 42 is the deployment's; everything else (a bug in a
     handler, a constraint violation, bad input, ``Permanent`` anywhere in the chain before a
     transient cause) is permanent.
@@ -175,8 +183,10 @@ def classify(exc: BaseException) -> Fault:
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
         seen.add(id(current))
-        if isinstance(current, Permanent | aiormq.exceptions.AuthenticationError):
+        if isinstance(current, Permanent):
             return Fault.PERMANENT
+        if _refused(current) is not None:
+            return Fault.TRANSIENT  # not the message's fault: a rotated password, a certificate
         if _transient_by_type(current):
             return Fault.TRANSIENT
         sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
@@ -207,3 +217,95 @@ def _transient_by_type(current: BaseException) -> bool:
     if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
         return True
     return isinstance(current, sqlalchemy.exc.TimeoutError)
+
+
+_REFUSED_BY_POSTGRES = {
+    "28P01": "PostgreSQL refused the password: fix the user or password in WORKER_DATABASE_URL",
+    "3D000": "PostgreSQL has no such database: create it, or fix the database name in "
+    "WORKER_DATABASE_URL",
+    "28": "PostgreSQL refused the login: fix the user or sslmode in WORKER_DATABASE_URL, or "
+    "pg_hba.conf on the server",
+}
+"""What to fix, by SQLSTATE (or its class, by its first two characters)."""
+
+_CLOSED_AT_OPEN = re.compile(r"Expected one of \['Connection\.OpenOk'\], got <Connection\.Close\b")
+"""How aiormq words RabbitMQ closing the connection at ``Connection.Open``: the virtual host
+does not exist or the user may not use it (the broker's reply text is lost)."""
+
+
+_CUT_OFF = ssl.SSLEOFError | ssl.SSLZeroReturnError | ssl.SSLSyscallError
+"""TLS errors of a connection cut short (a server restarting mid-handshake): transient."""
+
+
+def refusal(exc: BaseException) -> AccessRefused | None:
+    """An ``AccessRefused`` naming what to fix when ``exc`` (or what it wraps) says PostgreSQL or
+    RabbitMQ refused the worker's login, database, virtual host or TLS handshake; else None.
+
+    Waiting does not fix these, so the start-up backoff (``backoff.while_starting``) does not
+    retry them; on the message path they are transient (``is_transient``), never the message's
+    fault.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        what = _refused(current)
+        if what is not None:
+            return AccessRefused(f"{what}; the server said: {_first_line(current)}")
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_transient_at_start(exc: BaseException) -> bool:
+    """True when a connection attempt at start-up is worth repeating: a transient failure that
+    is not a refusal (a server still starting, not a wrong password or certificate)."""
+    return is_transient(exc) and refusal(exc) is None
+
+
+@contextlib.contextmanager
+def refusals_explained() -> Iterator[None]:
+    """Turn a refusal raised inside the block into ``AccessRefused`` (see ``refusal``)."""
+    try:
+        yield
+    except Exception as exc:
+        refused = refusal(exc)
+        if refused is None:
+            raise
+        raise refused from exc
+
+
+def _refused(exc: BaseException) -> str | None:
+    """What to fix when ``exc`` itself is a refusal; None otherwise."""
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            "the server's TLS certificate is not trusted: fix sslrootcert or sslmode in "
+            "WORKER_DATABASE_URL, or cafile in WORKER_AMQP_URL, or the server's certificate"
+        )
+    if isinstance(exc, ssl.SSLError) and not isinstance(exc, _CUT_OFF):
+        return (
+            "the TLS handshake failed: check sslmode in WORKER_DATABASE_URL, or amqps:// and "
+            "its port in WORKER_AMQP_URL, against the server's TLS settings"
+        )
+    if isinstance(exc, ConnectionError) and "rejected SSL upgrade" in str(exc):
+        return (
+            "PostgreSQL does not offer TLS: enable ssl on the server, or lower sslmode in "
+            "WORKER_DATABASE_URL"
+        )
+    if isinstance(exc, aiormq.exceptions.ProbableAuthenticationError):
+        return "RabbitMQ refused the login: fix the user or password in WORKER_AMQP_URL"
+    if isinstance(exc, aiormq.exceptions.AuthenticationError):
+        return "RabbitMQ offers none of the client's login mechanisms: fix auth= in WORKER_AMQP_URL"
+    if isinstance(exc, aiormq.exceptions.InvalidFrameError) and _CLOSED_AT_OPEN.match(str(exc)):
+        return (
+            "RabbitMQ refused the virtual host: it does not exist or the user has no permission "
+            "on it; fix the path of WORKER_AMQP_URL or the user's permissions"
+        )
+    if isinstance(exc, asyncpg.PostgresError):
+        sqlstate = exc.sqlstate or ""
+        return _REFUSED_BY_POSTGRES.get(sqlstate) or _REFUSED_BY_POSTGRES.get(sqlstate[:2])
+    return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0]

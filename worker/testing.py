@@ -18,7 +18,7 @@ what the worker would commit for the same deliveries in the same order::
 
     @pytest.fixture
     async def engine(database: Settings) -> AsyncIterator[AsyncEngine]:
-        engine = create_async_engine(database.sqlalchemy_url)
+        engine = create_engine(database)  # from worker.database
         yield engine
         await engine.dispose()
 
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import asyncpg
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, queries, schema, workflows
 from worker.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
+from worker.database import one_connection
 from worker.dead_letters import Failure, cause_of
 from worker.envelope import (
     IDEMPOTENCY_KEY_HEADER,
@@ -83,21 +83,22 @@ def empty_database(settings: Settings, *, prefix: str = "worker_scratch") -> Ite
     """A new, empty database beside ``settings.database_url``; yields ``settings`` pointing at
     it and drops it on exit."""
     name = f"{prefix}_{uuid.uuid4().hex[:12]}"
-    _execute(settings.database_url, f'CREATE DATABASE "{name}"')
+    _execute(settings, f'CREATE DATABASE "{name}"')
     try:
         parts = urlsplit(settings.database_url)
         yield settings.replace(database_url=urlunsplit(parts._replace(path="/" + name)))
     finally:
-        _execute(settings.database_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        _execute(settings, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def _execute(url: str, sql: str) -> None:
+def _execute(settings: Settings, sql: str) -> None:
+    """Run ``sql`` outside a transaction (as CREATE DATABASE must), on the worker's own kind of
+    engine: the same TLS options as every other connection of the worker."""
+
     async def execute() -> None:
-        conn = await asyncpg.connect(url)
-        try:
-            await conn.execute(sql)
-        finally:
-            await conn.close()
+        async with one_connection(settings, "worker-scratch") as engine, engine.connect() as conn:
+            await conn.execution_options(isolation_level="AUTOCOMMIT")
+            await conn.exec_driver_sql(sql)
 
     asyncio.run(execute())
 

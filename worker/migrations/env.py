@@ -1,8 +1,10 @@
 """Alembic environment shared by the worker's migrations and every handler module's.
 
 The database URL comes from the caller (``worker migrate``) or from the worker's settings
-(``WORKER_DATABASE_URL``). The version table and the metadata come from the Alembic config, so
-each history only ever sees, and autogenerates for, its own tables.
+(``WORKER_DATABASE_URL``); the engine is made as the worker's are (``database.engine_for``: the
+same TLS options, parameters kept out of errors, a refused login raised as ``AccessRefused``).
+The version table and the metadata come from the Alembic config, so each history only ever
+sees, and autogenerates for, its own tables.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from typing import Any
 from alembic import context
 from sqlalchemy import MetaData
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import create_async_engine
 
 from worker import tables
+from worker.database import connect_options, engine_for
+from worker.errors import refusals_explained
 from worker.schema import own_objects_only
 from worker.settings import Settings
 
@@ -61,17 +64,19 @@ def _run_sync(connection: Connection) -> None:
 
 
 async def _run_online() -> None:
-    engine = create_async_engine(database_url)
+    engine = engine_for(database_url, application_name="worker-migrate")
     try:
-        async with engine.connect() as connection:
-            await connection.run_sync(_run_sync)
-            await connection.commit()
+        with refusals_explained():
+            async with engine.connect() as connection:
+                await connection.run_sync(_run_sync)
+                await connection.commit()
     finally:
         await engine.dispose()
 
 
 if context.is_offline_mode():
-    _configure(url=database_url, literal_binds=True, dialect_opts={"paramstyle": "named"})
+    url, _ = connect_options(database_url)
+    _configure(url=url, literal_binds=True, dialect_opts={"paramstyle": "named"})
     with context.begin_transaction():
         context.run_migrations()
 else:
