@@ -18,10 +18,12 @@ from sqlalchemy import (
     Text,
     bindparam,
     cast,
+    column,
     delete,
     func,
     or_,
     select,
+    table,
     text,
     tuple_,
     update,
@@ -193,6 +195,14 @@ async def clear_failure(conn: AsyncConnection, handler: str, key: str) -> bool:
         return True
     deleted = await conn.execute(delete(inbox).where(*failed).returning(inbox.c.key))
     return deleted.first() is not None
+
+
+async def applied_revisions(conn: AsyncConnection, version_table: str) -> frozenset[str]:
+    """The revisions an Alembic version table records; empty when the table does not exist."""
+    if await conn.scalar(select(func.to_regclass(version_table))) is None:
+        return frozenset()
+    versions = table(version_table, column("version_num"))
+    return frozenset((await conn.execute(select(versions.c.version_num))).scalars())
 
 
 async def ping(conn: AsyncConnection) -> None:

@@ -7,18 +7,17 @@ depend on the worker's revision ids. All share the env.py in ``worker/migrations
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import tables
+from worker import queries, tables
 from worker.errors import ConfigurationError
 from worker.router import Router
 from worker.settings import Settings
@@ -84,28 +83,33 @@ def downgrade(settings: Settings, router: Router | None = None, revision: str = 
 
 def _history_name(config: Config) -> str:
     table = config.get_main_option("version_table") or WORKER_VERSION_TABLE
-    return (
-        "worker"
-        if table == WORKER_VERSION_TABLE
-        else table.removeprefix(f"{WORKER_VERSION_TABLE}_")
-    )
+    if table == WORKER_VERSION_TABLE:
+        return "worker"
+    return table.removeprefix(f"{WORKER_VERSION_TABLE}_")
 
 
-def _current_heads(connection: Connection, version_table: str) -> set[str]:
-    context = MigrationContext.configure(connection, opts={"version_table": version_table})
-    return set(context.get_current_heads())
+@functools.cache
+def _heads(script_location: str, version_locations: str | None) -> frozenset[str]:
+    """The head revisions of a history (read from its files once: code does not change)."""
+    config = _config()
+    config.set_main_option("script_location", script_location)
+    if version_locations is not None:
+        config.set_main_option("version_locations", version_locations)
+    return frozenset(ScriptDirectory.from_config(config).get_heads())
 
 
 async def pending(engine: AsyncEngine, settings: Settings, router: Router | None) -> list[str]:
-    """The histories (``worker``, then each handler module's name) whose applied revision is not
-    their head: the tables the code expects may be missing. Empty when all are up to date."""
+    """The histories (``worker``, then each handler module's name) whose applied revisions are
+    not their heads: the tables the code expects may be missing. Empty when all are current."""
     behind: list[str] = []
     async with engine.connect() as conn:
         for config in configs(settings, router):
-            heads = set(ScriptDirectory.from_config(config).get_heads())
+            heads = _heads(
+                config.get_main_option("script_location") or str(MIGRATIONS),
+                config.get_main_option("version_locations"),
+            )
             table = config.get_main_option("version_table") or WORKER_VERSION_TABLE
-            current = await conn.run_sync(_current_heads, table)
-            if current != heads:
+            if await queries.applied_revisions(conn, table) != heads:
                 behind.append(_history_name(config))
     return behind
 
