@@ -96,6 +96,16 @@ def test_the_worker_is_configured_through_its_environment_variables() -> None:
         importlib.import_module(module)
 
 
+@pytest.mark.parametrize("name", ["worker", "relay"])
+def test_the_long_running_services_serve_health_and_metrics_on_every_interface(
+    name: str,
+) -> None:
+    """The container's endpoint must be reachable from its network; ``worker health`` inside
+    it asks the loopback address for the wildcard."""
+    assert environment_of(services()[name])["WORKER_HTTP_HOST"] == "0.0.0.0"
+    assert services()[name]["healthcheck"]["test"] == ["CMD", "worker", "health"]
+
+
 def test_the_built_services_share_one_configuration() -> None:
     environments = [environment_of(service) for service in built_services().values()]
     assert all(env == environments[0] for env in environments)

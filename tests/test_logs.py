@@ -131,3 +131,79 @@ async def test_worker_run_logs_json_lines_with_the_message_and_no_password(
         "m-6",
     )
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 5
+
+
+FORGED = "2026-01-01 00:00:00,000 CRITICAL worker: forged"
+HOSTILE = f"k\n{FORGED}\r\x1b[2J\x85\u2028\u202e"
+
+
+def assert_one_record(output: str) -> None:
+    """``output`` is one record: its lines are printable, and only the first starts a record."""
+    first, *rest = output.rstrip("\n").split("\n")
+    for line in (first, *rest):
+        assert line.isprintable(), repr(line)
+    assert not [line for line in rest if line[:4].isdigit()]
+
+
+def hostile_record(log: logging.Logger) -> None:
+    """A record whose message, argument, message context and exception all carry ``HOSTILE``."""
+    delivery = Delivery(b"", "payment.requested", message_id=HOSTILE, correlation_id=HOSTILE)
+    with logs.message_context(delivery):
+        try:
+            try:
+                raise KeyError(HOSTILE)
+            except KeyError as exc:
+                raise ValueError(f"bad {HOSTILE}") from exc
+        except ValueError:
+            log.exception(f"failed {HOSTILE}: %s", HOSTILE)
+
+
+def test_text_records_cannot_forge_a_line_or_drive_a_terminal(
+    captured: tuple[io.StringIO, logging.Handler],
+) -> None:
+    stream, handler = captured
+    handler.setFormatter(logs.TextFormatter())
+
+    hostile_record(logging.getLogger("test.logs"))
+
+    first, *traceback_lines = stream.getvalue().rstrip("\n").split("\n")
+    shown = logs.printable(HOSTILE)
+    assert first.endswith(
+        f"ERROR test.logs: failed {shown}: {shown} [message_id={shown} correlation_id={shown}]"
+    )
+    assert traceback_lines[0] == "Traceback (most recent call last):"
+    assert f"KeyError: {logs.printable(repr(HOSTILE))}" in traceback_lines
+    assert traceback_lines[-1] == f"ValueError: bad {shown}"
+    assert_one_record(stream.getvalue())
+
+
+def test_text_records_escape_a_traceback_another_formatter_cached(
+    captured: tuple[io.StringIO, logging.Handler],
+) -> None:
+    stream, handler = captured
+    log = logging.getLogger("test.logs")
+    plain = logging.StreamHandler(io.StringIO())
+    log.handlers.insert(0, plain)  # formats first, caching an unescaped record.exc_text
+    handler.setFormatter(logs.TextFormatter())
+    try:
+        hostile_record(log)
+    finally:
+        log.removeHandler(plain)
+
+    assert_one_record(stream.getvalue())
+
+
+def test_json_records_escape_control_characters_and_keep_the_text(
+    captured: tuple[io.StringIO, logging.Handler],
+) -> None:
+    stream, handler = captured
+    handler.setFormatter(logs.JsonFormatter())
+
+    hostile_record(logging.getLogger("test.logs"))
+
+    (line,) = stream.getvalue().rstrip("\n").split("\n")
+    assert line.isprintable()
+    record = json.loads(line)
+    assert record["message"] == f"failed {HOSTILE}: {HOSTILE}"
+    assert (record["message_id"], record["correlation_id"]) == (HOSTILE, HOSTILE)
+    assert record["exception"].endswith(f"ValueError: bad {HOSTILE}")

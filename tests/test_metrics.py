@@ -5,7 +5,9 @@ with their labels, the gauges read the outbox and the inbox, and the HTTP endpoi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from worker import queries
 from worker.context import OutboxMessage
 from worker.database import create_engine
 from worker.errors import PauseReason
-from worker.metrics import Health, HttpServer, Metrics, Monitor
+from worker.metrics import Health, HttpServer, Metrics, Monitor, local_url
 from worker.settings import Settings
 
 HANG_GUARD = 10.0
@@ -64,6 +66,8 @@ async def request(port: int, path: str, method: str = "GET", raw: bytes | None =
         finally:
             writer.close()
             await writer.wait_closed()
+    if not data:
+        raise ConnectionResetError("closed without an answer")
     head, _, body = data.partition(b"\r\n\r\n")
     status_line, *header_lines = head.decode("latin-1").split("\r\n")
     headers = dict(line.split(": ", 1) for line in header_lines)
@@ -393,3 +397,74 @@ async def test_no_server_when_the_port_is_0(
     stop.set()
     await asyncio.wait_for(monitor.run(stop), HANG_GUARD)
     assert monitor.port is None
+
+
+async def closed_by_server(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closed (or reset) the connection, the client having sent nothing."""
+    try:
+        async with asyncio.timeout(HANG_GUARD):
+            return await reader.read() == b""
+    except ConnectionResetError:
+        return True
+
+
+async def test_connections_beyond_the_cap_are_closed_unread_and_counted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    metrics, health = Metrics(), Health()
+    server = HttpServer(metrics, health, max_connections=3, timeout=HANG_GUARD * 3)
+    await server.start("127.0.0.1", 0)
+    assert server.port
+    async with server:
+        # Given as many idle connections as the cap allows
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+
+        # When more connect
+        extra = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(5)]
+
+        # Then each of them is closed at once, before it sent anything, and counted
+        assert all([await closed_by_server(reader) for reader, _ in extra])
+        assert sample(metrics, "worker_http_connections_refused_total") == 5
+        for _, writer in extra:
+            writer.close()
+        # and once the idle ones go, a new client is served
+        for _, writer in idle:
+            writer.close()
+
+        async def answered() -> bool:
+            with contextlib.suppress(ConnectionError):
+                return (await request(server.port or 0, "/healthz")).status == 503
+            return False
+
+        await wait_until(answered)
+    # one warning for the five refusals, no traceback
+    assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == ["WARNING"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_an_idle_connection_is_dropped_after_the_timeout() -> None:
+    server = HttpServer(Metrics(), Health(), max_connections=1, timeout=0.2)
+    await server.start("127.0.0.1", 0)
+    async with server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        assert await closed_by_server(reader)
+        writer.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("127.0.0.1", "http://127.0.0.1:9180/healthz"),
+        ("0.0.0.0", "http://127.0.0.1:9180/healthz"),
+        ("", "http://127.0.0.1:9180/healthz"),
+        ("::", "http://[::1]:9180/healthz"),
+        ("::1", "http://[::1]:9180/healthz"),
+        ("fd00::7", "http://[fd00::7]:9180/healthz"),
+        ("10.1.2.3", "http://10.1.2.3:9180/healthz"),
+        ("worker.internal", "http://worker.internal:9180/healthz"),
+    ],
+)
+def test_the_local_url_asks_the_bound_address_or_the_loopback_for_a_wildcard(
+    host: str, url: str
+) -> None:
+    assert local_url(host, 9180, "/healthz") == url

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import socket
 import urllib.error
 import urllib.request
 
+import pytest
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
 from tests.conftest import running_worker
-from tests.helpers import payment
+from tests.helpers import payment, wait_until
 from tests.test_consumer import publish
 from tests.test_failures import settled
+from tests.test_metrics import request
 from worker.settings import Settings
 
 
@@ -87,3 +91,74 @@ async def test_worker_health_answers_for_the_local_process(
     gone = await asyncio.to_thread(run, WORKER_SCRIPT, "health", WORKER_HTTP_PORT=str(port))
     assert gone.returncode == 1
     assert "no answer" in gone.stderr
+
+
+def open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_idle_connections_beyond_the_cap_cannot_pin_the_endpoint(
+    settings: Settings, engine: AsyncEngine, caplog: pytest.LogCaptureFixture
+) -> None:
+    port, cap, clients = free_port(), 8, 200
+    settings = settings.replace(http_host="127.0.0.1", http_port=port, http_max_connections=cap)
+    async with running_worker(settings, payments) as worker:
+        before = open_files()
+        idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        held_by_worker = 0
+        try:
+            # Given far more idle connections than the cap, each sending nothing
+            for _ in range(clients):
+                idle.append(await asyncio.open_connection("127.0.0.1", port))
+                held_by_worker = max(held_by_worker, open_files() - before - len(idle))
+
+            # Then the worker held at most the cap of them (plus sockets being closed, and room
+            # for a database connection or two): it closed the others at once
+            assert held_by_worker <= cap + 16
+
+            # and once those it holds time out, a new client gets its answer
+            async def healthy() -> bool:
+                with contextlib.suppress(ConnectionError):
+                    return (await request(port, "/healthz")).status == 200
+                return False
+
+            await wait_until(healthy)
+            assert not worker.task.done()
+        finally:
+            for _, writer in idle:
+                writer.close()
+    refused = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert [r.levelname for r in refused] == ["WARNING"]
+    assert not [r for r in caplog.records if r.exc_info]
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.2",
+        pytest.param(
+            "::",
+            marks=pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback here"),
+        ),
+    ],
+)
+async def test_worker_health_asks_the_address_the_endpoint_listens_on(
+    settings: Settings, engine: AsyncEngine, host: str
+) -> None:
+    from tests.test_cli import WORKER_SCRIPT, run
+
+    port = free_port()
+    env = {"WORKER_HTTP_HOST": host, "WORKER_HTTP_PORT": str(port)}
+    async with running_worker(settings.replace(http_host=host, http_port=port), payments):
+        healthy = await asyncio.to_thread(run, WORKER_SCRIPT, "health", **env)
+    assert healthy.returncode == 0, healthy.stderr
+    assert json.loads(healthy.stdout)["status"] == "ok"

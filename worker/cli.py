@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
 
@@ -282,8 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
         "health",
         _health,
         "ask the local worker's /healthz (for container health checks)",
-        "GET http://127.0.0.1:<http_port>/healthz of the worker or relay on this host; exit 0 "
-        "when it is healthy, 1 when not or unreachable.",
+        "GET http://<http_host>:<http_port>/healthz of the worker or relay on this host (a "
+        "wildcard http_host asks the loopback address); exit 0 when it is healthy, 1 when not "
+        "or unreachable.",
     )
 
     migrate = command(
@@ -384,7 +385,7 @@ def _workflows(settings: Settings, args: argparse.Namespace) -> int:
         if args.json:
             print(admin.to_json(state))
         else:
-            print(
+            _show(
                 f"handler={state.handler} key={state.key} "
                 f"recovery_point={state.recovery_point or '-'} owner={state.owner or '-'} "
                 f"lease_until={state.lease_until.isoformat() if state.lease_until else '-'} "
@@ -438,7 +439,7 @@ async def _with_broker(
 
 
 def _describe(message: Parked) -> str:
-    return (
+    return logs.printable(
         f"key={message.key or '-'} handler={message.handler or '-'} reason={message.reason} "
         f"attempts={message.attempts} first_failure={message.first_failure_at or '-'} "
         f"routing_key={message.routing_key} error={message.error!r}"
@@ -485,9 +486,9 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines = lines_of(status)
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
-            print(f"{label:<{width}}  {value}")
+            _show(f"{label:<{width}}  {value}")
     for error in status.errors.values():
-        print(f"worker: error: {error}", file=sys.stderr)
+        _show(f"worker: error: {error}", file=sys.stderr)
     return 1 if status.errors else 0
 
 
@@ -499,7 +500,7 @@ def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
         if args.json:
             print(admin.to_json(row))
         else:
-            print(
+            _show(
                 f"id={row.id} message_id={row.message_id} exchange={row.exchange or '(default)'} "
                 f"routing_key={row.routing_key} ordering_key={row.ordering_key or '-'} "
                 f"attempts={row.attempts} created_at={row.created_at.isoformat()} "
@@ -515,9 +516,9 @@ def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
 
     retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
     for row in retried.rows:
-        print(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
+        _show(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
     if retried.not_parked:
-        print(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
+        _show(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
     print(f"{len(retried.rows)} parked outbox row(s) moved back into the outbox")
     return 0
 
@@ -550,7 +551,7 @@ def _verify(settings: Settings, args: argparse.Namespace) -> int:
         print(json.dumps(verify.to_json(checks)))
     else:
         for check in checks:
-            print(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
+            _show(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
     return 0 if all(check.ok for check in checks) else 1
 
 
@@ -558,17 +559,19 @@ def _health(settings: Settings, args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
+    from worker.metrics import local_url
+
     if settings.http_port == 0:
         raise ConfigurationError("http_port is 0: this process serves no /healthz")
-    url = f"http://127.0.0.1:{settings.http_port}/healthz"
+    url = local_url(settings.http_host, settings.http_port, "/healthz")
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
-            print(response.read().decode())
+            _show(response.read().decode(errors="replace").strip())
             return 0
     except urllib.error.HTTPError as error:
-        print(error.read().decode())
+        _show(error.read().decode(errors="replace").strip())
     except OSError as exc:
-        print(f"worker: error: no answer from {url}: {exc}", file=sys.stderr)
+        _show(f"worker: error: no answer from {url}: {exc}", file=sys.stderr)
     return 1
 
 
@@ -598,17 +601,29 @@ def _demo(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+def _show(line: str, file: TextIO | None = None) -> None:
+    """Print one line of output with its control characters escaped (``logs.printable``) and URL
+    passwords redacted: what a message, a row or a broker carried can neither add lines nor drive
+    the terminal."""
+    print(logs.redact_text(logs.printable(line)), file=file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         settings = _load_settings(args)
+        logs.configure(settings)
     except ConfigurationError as exc:
-        parser.error(str(exc))
-    logs.configure(settings)
+        parser.error(logs.redact_text(logs.printable(str(exc))))
     try:
         result: Any = args.func(settings, args)
     except ConfigurationError as exc:
-        print(f"worker: error: {exc}", file=sys.stderr)
+        _show(f"worker: error: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:
+        # Through the configured handler: one JSON object with --log-format json, passwords
+        # redacted, control characters escaped; never Python's raw traceback.
+        log.critical("worker %s failed: %s", args.command, logs.describe_error(exc), exc_info=exc)
+        return 1
     return int(result)

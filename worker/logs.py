@@ -4,6 +4,13 @@ While a delivery is handled, every log record carries its ``message_id``, ``key`
 and ``correlation_id`` (a context variable, so concurrent units of work never mix them up). No
 record ever shows a password from a URL: any ``scheme://user:password@host`` in a message or a
 traceback is redacted before it is formatted.
+
+No record can forge another: in the text format, a line that starts a record is a record.
+``printable`` escapes every character that could end a line or drive a terminal (C0 and C1
+controls, DEL, Unicode line separators, bidirectional overrides) as ``\\n``, ``\\x1b``, ``\\u2028``;
+the text format applies it to the message, its context and each exception's own text, and keeps
+only the line breaks of a traceback's frames. The JSON format needs none of it: ``json.dumps``
+escapes every control character. The CLI prints every table through ``printable`` too.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import contextvars
 import json
 import logging
 import re
+import traceback
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from types import MappingProxyType
@@ -21,6 +29,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from worker.envelope import Delivery, Envelope
+from worker.errors import ConfigurationError
 from worker.settings import Settings
 
 MESSAGE_FIELDS = ("message_id", "key", "handler", "correlation_id")
@@ -31,6 +40,38 @@ _message: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
 )
 
 _PASSWORD_IN_URL = re.compile(r"(?P<prefix>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
+
+
+def _escape(code: int) -> str:
+    named = {0x09: "\\t", 0x0A: "\\n", 0x0D: "\\r"}
+    return named.get(code) or (f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+
+
+_UNPRINTABLE = (
+    *range(0x00, 0x20),  # C0 controls: line breaks, escape sequences
+    0x7F,  # DEL
+    *range(0x80, 0xA0),  # C1 controls, NEL (U+0085) among them
+    0x2028,  # line separator
+    0x2029,  # paragraph separator
+    # bidirectional marks, embeddings, overrides and isolates: they reorder what is shown
+    0x061C,
+    0x200E,
+    0x200F,
+    *range(0x202A, 0x202F),
+    *range(0x2066, 0x206A),
+)
+_ESCAPES = {code: _escape(code) for code in _UNPRINTABLE}
+
+
+def printable(text: str) -> str:
+    """``text`` on one line that drives no terminal: control characters, line separators and
+    bidirectional overrides escaped as ``\\n``, ``\\x1b``, ``\\u202e``; anything else as it is."""
+    return text if text.isprintable() else text.translate(_ESCAPES)
+
+
+def printable_lines(text: str) -> str:
+    """``text`` with its line breaks (``\\n``) kept and each line made ``printable``."""
+    return "\n".join(map(printable, text.split("\n")))
 
 
 def redact_text(text: str) -> str:
@@ -78,17 +119,53 @@ class MessageFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    """``time level logger: message [key=… handler=…]``; tracebacks redacted."""
+    """``time level logger: message [key=… handler=…]`` on one line, then the traceback if any;
+    control characters escaped (``printable``), passwords redacted."""
 
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
+        record.message = record.getMessage()
+        record.asctime = self.formatTime(record, self.datefmt)
         context = " ".join(
             f"{name}={value}" for name in MESSAGE_FIELDS if (value := getattr(record, name, ""))
         )
-        return redact_text(f"{text} [{context}]" if context else text)
+        text = self.formatMessage(record) + (f" [{context}]" if context else "")
+        parts = [printable(text)]
+        # Formatted here, not taken from ``record.exc_text``: another handler may have cached
+        # an unescaped one there.
+        if record.exc_info and record.exc_info[1] is not None:
+            parts.append(format_traceback(record.exc_info[1]))
+        elif record.exc_text:
+            parts.append(printable_lines(record.exc_text))
+        if record.stack_info:
+            parts.append(printable_lines(self.formatStack(record.stack_info)))
+        return redact_text("\n".join(parts))
+
+
+def format_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` (and its causes) as ``logging`` shows it, each exception's own
+    text (its message and notes) escaped onto one line, every other line ``printable``."""
+    formatted = traceback.TracebackException.from_exception(exc, compact=True)
+    own_text = {chunk for each in _chain(formatted) for chunk in each.format_exception_only()}
+    return "".join(
+        printable(chunk.removesuffix("\n")) + "\n" if chunk in own_text else printable_lines(chunk)
+        for chunk in formatted.format()
+    ).removesuffix("\n")
+
+
+def _chain(formatted: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
+    """``formatted`` and every exception it shows: causes, contexts, members of a group."""
+    pending, seen = [formatted], set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        pending += [e for e in (current.__cause__, current.__context__) if e is not None]
+        pending += current.exceptions or []
 
 
 class JsonFormatter(logging.Formatter):
@@ -116,7 +193,13 @@ def configure(settings: Settings) -> None:
     handler.addFilter(MessageFilter())
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
     root = logging.getLogger()
+    try:
+        root.setLevel(settings.log_level.upper())
+    except ValueError:
+        raise ConfigurationError(
+            f"log_level {settings.log_level!r}: must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
+        ) from None
     root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)
+    logging.getLogger("alembic.runtime.plugins").setLevel(logging.WARNING)  # start-up noise

@@ -11,21 +11,28 @@ Counters and histograms are updated where things happen (consumer, relay, janito
 are read from the database by ``Metrics.refresh``.
 
 The HTTP server is a minimal HTTP/1.0 responder on ``asyncio.start_server``: it reads the request
-line, skips the headers, answers and closes. It runs on the worker's event loop, so it needs no
-thread, no framework and no locking, binds port 0 to an ephemeral port that tests can read, and
-closes with the loop's other components. ``wsgiref`` in a daemon thread would serve one client
-at a time, could not be stopped from the loop without blocking it, and logs every request to
-stderr.
+line, skips the headers, answers and closes. No client can pin it: the whole exchange, closing
+included, must end within ``REQUEST_TIMEOUT`` or the connection is dropped, and beyond
+``http_max_connections`` open connections a new one is closed as it is accepted, unread, so the
+process's open files stay bounded whatever a client does. A dropped or refused connection is
+logged at debug level only (a refusal also counts in ``worker_http_connections_refused_total``
+and in a warning at most once a minute), never with a traceback.
+
+It runs on the worker's event loop, so it needs no thread, no framework and no locking, binds
+port 0 to an ephemeral port that tests can read, and closes with the loop's other components.
+``wsgiref`` in a daemon thread would serve one client at a time, could not be stopped from the
+loop without blocking it, and logs every request to stderr.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
@@ -73,7 +80,10 @@ INBOX_INTERVAL = 60.0
 """Seconds between two inbox counts, which read the whole inbox (see ``queries.inbox_counts``)."""
 
 REQUEST_TIMEOUT = 5.0
-"""Seconds a client has to send its request line and headers."""
+"""Seconds a client has for its whole exchange: send the request, read the answer, close."""
+
+REFUSALS_LOG_INTERVAL = 60.0
+"""Seconds between two warnings that connections are being refused."""
 
 
 class Metrics:
@@ -159,6 +169,11 @@ class Metrics:
         )
         self.inbox_rows = Gauge(
             "worker_inbox_rows", "Inbox keys by status.", ["status"], registry=r
+        )
+        self.http_refused = Counter(
+            "worker_http_connections_refused_total",
+            "Connections to this endpoint closed unread: http_max_connections were open.",
+            registry=r,
         )
         for result in RELAY_RESULTS:
             self.relay_messages.labels(result)
@@ -299,19 +314,32 @@ class HttpServer:
 
     ``await HttpServer(metrics, health).start(host, port)`` returns the bound port (an ephemeral
     one for port 0); ``close()`` stops listening and drops the connections still open. Also an
-    async context manager once started.
+    async context manager once started. At most ``max_connections`` are served at once, each
+    for at most ``timeout`` seconds.
     """
 
-    def __init__(self, metrics: Metrics, health: Health) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        health: Health,
+        *,
+        max_connections: int = 64,
+        timeout: float = REQUEST_TIMEOUT,
+    ) -> None:
         self.metrics = metrics
         self.health = health
+        self.max_connections = max_connections
+        self.timeout = timeout
         self.port: int | None = None
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.Task[Any]] = set()
+        self._open = 0
+        self._refused = 0
+        self._next_warning = 0.0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; returns the port bound."""
-        self._server = await asyncio.start_server(self._serve, host, port, limit=16 * 1024)
+        self._server = await asyncio.start_server(self._accept, host, port, limit=16 * 1024)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -332,26 +360,56 @@ class HttpServer:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
+    def _accept(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> Coroutine[Any, Any, None] | None:
+        """Called as a connection is accepted, before anything is read: serve it, or close it at
+        once when ``max_connections`` are open."""
+        if self._open >= self.max_connections:
+            writer.transport.abort()
+            self._count_refusal()
+            return None
+        self._open += 1
+        return self._serve(reader, writer)
+
+    def _count_refusal(self) -> None:
+        self.metrics.http_refused.inc()
+        self._refused += 1
+        now = time.monotonic()
+        if now < self._next_warning:
+            log.debug("http: refused a connection: %d open", self._open)
+            return
+        log.warning(
+            "http: %d connection(s) refused, %d open (http_max_connections)",
+            self._refused,
+            self._open,
+        )
+        self._refused, self._next_warning = 0, now + REFUSALS_LOG_INTERVAL
+
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._clients.add(task)
         try:
-            async with asyncio.timeout(REQUEST_TIMEOUT):
+            # Closing counts too: a client that reads nothing would keep the answer buffered.
+            async with asyncio.timeout(self.timeout):
                 request = await reader.readline()
                 # Headers are read but ignored: closing with unread input would reset the
                 # connection, and the client could lose the answer.
                 while (await reader.readline()).strip():
                     pass
-            writer.write(self.answer(request))
-            await writer.drain()
-        except (TimeoutError, ConnectionError, ValueError):  # slow, gone, or a line too long
-            pass
-        finally:
-            self._clients.discard(task)
-            writer.close()
-            with contextlib.suppress(Exception):
+                writer.write(self.answer(request))
+                await writer.drain()
+                writer.close()
                 await writer.wait_closed()
+        except (TimeoutError, OSError, ValueError) as exc:  # slow, gone, or a line too long
+            log.debug("http: dropped a connection: %r", exc)
+        except Exception:
+            log.exception("http: could not answer a request")
+        finally:
+            writer.transport.abort()  # nothing left to send: the socket closes now
+            self._open -= 1
+            self._clients.discard(task)
 
     def answer(self, request_line: bytes) -> bytes:
         """The whole response to a request line, e.g. ``b"GET /metrics HTTP/1.1"``."""
@@ -373,6 +431,21 @@ class HttpServer:
         else:
             status, content_type, body = HTTPStatus.NOT_FOUND, "text/plain", b"not found\n"
         return _response(status, content_type, body, head=method == "HEAD")
+
+
+def local_url(host: str, port: int, path: str) -> str:
+    """The URL at which this host reaches an endpoint bound to ``host:port``: a wildcard address
+    (``0.0.0.0``, ``::``, empty) asks the loopback address of its family, a host name is kept,
+    and an IPv6 address is bracketed."""
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        address = None
+    if not host or (address is not None and address.is_unspecified):
+        host = "::1" if address is not None and address.version == 6 else "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}{path}"
 
 
 def _response(
@@ -434,7 +507,9 @@ class Monitor:
     async def start(self) -> int | None:
         """Start the HTTP server (unless it is off or running); returns its port."""
         if self._serve and self._server is None:
-            server = HttpServer(self.metrics, self.health)
+            server = HttpServer(
+                self.metrics, self.health, max_connections=self.settings.http_max_connections
+            )
             await server.start(self.settings.http_host, self._port)
             self._server = server
             log.info("serving /metrics and /healthz on %s:%d", self.settings.http_host, server.port)

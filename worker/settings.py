@@ -178,8 +178,13 @@ FIELDS: tuple[Field, ...] = (
         duration,
         "on SIGTERM, how long in-flight messages may take to commit before they are rolled back",
     ),
-    Field("http_host", str, "address of the /healthz and /metrics endpoint"),
+    Field("http_host", str, "address of the /healthz and /metrics endpoint (0.0.0.0: every one)"),
     Field("http_port", port, "port of the /healthz and /metrics endpoint (0: none)"),
+    Field(
+        "http_max_connections",
+        positive_int,
+        "connections the endpoint serves at once; more are closed unread",
+    ),
     Field("relay", boolean, "run the outbox relay inside `worker run` too"),
     Field("relay_batch_size", positive_int, "outbox rows the relay claims per transaction"),
     Field("relay_max_attempts", positive_int, "failed publishes of a row before it is parked"),
@@ -232,8 +237,9 @@ class Settings:
     log_level: str = "INFO"
     log_format: str = "text"
     shutdown_grace: float = 30.0
-    http_host: str = "0.0.0.0"  # a container's endpoint listens on every interface
+    http_host: str = "127.0.0.1"  # a container sets 0.0.0.0 to be scraped from outside
     http_port: int = 9180
+    http_max_connections: int = 64
     relay: bool = True
     relay_batch_size: int = 100
     relay_max_attempts: int = 10
