@@ -516,15 +516,16 @@ def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
 
 async def _dlq_report(outcomes: AsyncGenerator[Outcome, None], done: str) -> tuple[int, int]:
     """Print one line per message of a bulk ``dlq`` action as it happens; (done, refused)."""
-    counts = [0, 0]
+    done_count = refused_count = 0
     async with contextlib.aclosing(outcomes) as each:
         async for outcome in each:
             if outcome.done:
+                done_count += 1
                 print(f"{done} {_describe(outcome.parked)}", flush=True)
             else:
+                refused_count += 1
                 print(f"refused {_describe(outcome.parked)}: {outcome.refused}", flush=True)
-            counts[not outcome.done] += 1
-    return counts[0], counts[1]
+    return done_count, refused_count
 
 
 async def _with_broker(
