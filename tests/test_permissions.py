@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
+import socket
 import subprocess
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -22,7 +26,11 @@ from urllib.parse import quote, urlsplit
 import aio_pika
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
-from aiormq.exceptions import ChannelAccessRefused
+from aiormq.exceptions import (
+    ChannelAccessRefused,
+    ChannelPreconditionFailed,
+    ProbableAuthenticationError,
+)
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.conftest import BASE, running_worker
@@ -288,3 +296,98 @@ async def test_the_worker_runs_its_failure_path_with_the_worker_users_rights(
     assert worker.stats["retry_scheduled"] == 3
     assert await broker_depth_in(users, settings.dead_letter_queue) == 1
     assert await broker_depth_in(users, settings.queue) == 0
+
+
+RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
+"""The server script itself (``/usr/sbin``'s wrapper would run it as another user)."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+@contextlib.contextmanager
+def node_from_deploy(home: Path) -> Iterator[int]:
+    """A RabbitMQ node of its own, configured by ``deploy/rabbitmq`` as compose configures its
+    broker, on a free port (yielded); stopped afterwards."""
+    config = (DEFINITIONS.parent / "rabbitmq.conf").read_text()
+    config = config.replace("/etc/rabbitmq/definitions.json", str(DEFINITIONS))
+    port, node = free_port(), f"worker-deploy-{uuid.uuid4().hex[:8]}@localhost"
+    (home / "rabbitmq.conf").write_text(f"{config}\nlisteners.tcp.default = 127.0.0.1:{port}\n")
+    (home / "enabled_plugins").write_text("[].\n")
+    cookie = uuid.uuid4().hex
+    (home / ".erlang.cookie").write_text(cookie)
+    (home / ".erlang.cookie").chmod(0o400)
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "RABBITMQ_NODENAME": node,
+        "RABBITMQ_NODE_PORT": str(port),
+        "RABBITMQ_DIST_PORT": str(free_port()),
+        "RABBITMQ_MNESIA_BASE": str(home / "mnesia"),
+        "RABBITMQ_LOG_BASE": str(home / "log"),
+        "RABBITMQ_CONFIG_FILE": str(home / "rabbitmq.conf"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(home / "enabled_plugins"),
+        "RABBITMQ_CONF_ENV_FILE": str(home / "rabbitmq-env.conf"),
+    }
+    control = ["rabbitmqctl", "-q", "-n", node, "--erlang-cookie", cookie]
+    subprocess.run([str(RABBITMQ_SERVER), "-detached"], env=env, check=True, timeout=60)
+    try:
+        _await_startup(control)
+        yield port
+    finally:
+        subprocess.run([*control, "stop"], check=False, capture_output=True, timeout=60)
+
+
+def _await_startup(control: list[str], attempts: int = 120) -> None:
+    """Wait for the node to run RabbitMQ (``await_startup`` fails while the node has not yet
+    registered, so it is asked again, a second apart)."""
+    for _ in range(attempts):
+        started = subprocess.run(
+            [*control, "await_startup", "--timeout", "60"], capture_output=True, timeout=90
+        )
+        if started.returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError(f"the node did not start: {started.stderr.decode()}")
+
+
+@needs_rabbitmqctl
+@pytest.mark.skipif(not RABBITMQ_SERVER.exists(), reason=f"needs {RABBITMQ_SERVER}")
+async def test_a_broker_started_from_deploy_has_the_users_and_the_size_limit(
+    tmp_path: Path,
+) -> None:
+    with node_from_deploy(tmp_path) as port:
+        url = f"amqp://{{0}}:{{0}}@127.0.0.1:{port}/"
+
+        # The guest user does not exist; the others log in with the demo passwords
+        with pytest.raises(ProbableAuthenticationError):
+            await aio_pika.connect(url.format("guest"))
+        admin = await aio_pika.connect(url.format("admin"))
+        worker = await aio_pika.connect(url.format("worker"))
+        producer = await aio_pika.connect(url.format("producer"))
+        async with admin, worker, producer:
+            # the events exchange exists before any worker declared it
+            events = await (await on_new_channel(producer)).get_exchange("events")
+            await events.publish(aio_pika.Message(b"{}"), routing_key=JOB)
+            assert await refused(
+                (await on_new_channel(producer)).default_exchange.publish(
+                    aio_pika.Message(b"{}"), routing_key="worker"
+                )
+            )
+
+            # and a body the worker accepts passes, one the broker's limit exceeds does not
+            channel = await on_new_channel(worker)
+            queue = await channel.declare_queue("worker", durable=True)
+            max_body = Settings().max_body_bytes
+            await channel.default_exchange.publish(
+                aio_pika.Message(b"x" * max_body), routing_key=queue.name
+            )
+            too_large = aio_pika.Message(b"x" * (max_body + 64 * 1024 + 1))
+            with pytest.raises(ChannelPreconditionFailed, match="max size"):
+                await (await on_new_channel(worker)).default_exchange.publish(
+                    too_large, routing_key=queue.name
+                )
