@@ -2,6 +2,8 @@
 real RabbitMQ: the users are created with the file's permissions in a virtual host of their own
 (deleted afterwards), a producer may publish to the events exchange and nowhere else, and the
 worker runs its whole failure path (retry, park, replay, relay) with the worker user's rights.
+A node of its own, booted from ``deploy/rabbitmq`` as compose boots its broker, has the users
+(and no guest) and refuses messages beyond ``max_message_size``.
 """
 
 from __future__ import annotations
