@@ -43,7 +43,8 @@ class Copy:
 async def park(
     amqp: AbstractRobustConnection, engine: AsyncEngine, settings: Settings, *copies: Copy
 ) -> None:
-    """Declare the topology and park each copy, in order, with its key failed in the inbox."""
+    """Declare the topology and park each copy, in order, with its key failed in the inbox
+    (persistent, as the worker parks: a broker restart keeps them)."""
     async with amqp.channel(publisher_confirms=True) as channel:
         await declare_topology(channel, settings, [HANDLER, OTHER_HANDLER])
         dead_letter_exchange = await channel.get_exchange(settings.dead_letter_exchange)
@@ -54,9 +55,10 @@ async def park(
             failure = dlq.Failure(delivery, "KeyError: 'account'", "KeyError", copy.handler)
             headers = failure.dead_letter_headers(copy.reason)
             headers[dlq.DEAD_LETTERED_AT] = (datetime.now(UTC) - copy.age).isoformat()
-            await dead_letter_exchange.publish(
-                aio_pika.Message(delivery.body, headers=headers), routing_key=copy.handler
+            parked = aio_pika.Message(
+                delivery.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )
+            await dead_letter_exchange.publish(parked, routing_key=copy.handler)
     async with engine.begin() as conn:
         for copy in copies:
             await conn.execute(
