@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import shlex
 import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
 from worker.cli import build_parser
+from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -167,3 +170,46 @@ def test_the_image_does_not_run_as_root() -> None:
     ]
     assert users, "the Dockerfile never switches to a non-root user"
     assert users[-1] not in ("root", "0")
+
+
+def mounted(service: dict[str, Any]) -> dict[str, str]:
+    """The service's bind mounts: container path -> host path relative to the project."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        found[target] = source
+    return found
+
+
+def broker_config() -> dict[str, str]:
+    """``deploy/rabbitmq/rabbitmq.conf`` as key -> value, comments left out."""
+    lines = (ROOT / "deploy" / "rabbitmq" / "rabbitmq.conf").read_text().splitlines()
+    pairs = (line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+    return {key.strip(): value.strip() for key, value in pairs}
+
+
+def test_the_broker_loads_the_projects_users_and_limits() -> None:
+    mounts = mounted(services()["rabbitmq"])
+
+    for source in mounts.values():
+        assert (ROOT / source).is_file(), source
+    config_mount = next(t for t, s in mounts.items() if s.endswith("rabbitmq.conf"))
+    assert config_mount.startswith("/etc/rabbitmq/conf.d/")  # beside the image's defaults
+    definitions = broker_config()["load_definitions"]
+    assert mounts[definitions] == "./deploy/rabbitmq/definitions.json"
+
+
+def test_the_broker_refuses_bodies_the_worker_would_refuse_with_room_for_headers() -> None:
+    limit = int(broker_config()["max_message_size"])
+    max_body = Settings().max_body_bytes
+
+    assert max_body < limit <= max_body + 64 * 1024
+
+
+def test_the_worker_connects_as_its_least_privilege_user() -> None:
+    url = urlsplit(environment_of(services()["worker"])["WORKER_AMQP_URL"])
+    definitions = json.loads((ROOT / "deploy" / "rabbitmq" / "definitions.json").read_text())
+
+    assert url.username == "worker"
+    assert "worker" in {user["name"] for user in definitions["users"]}
+    assert "guest" not in {user["name"] for user in definitions["users"]}

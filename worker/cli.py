@@ -8,16 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
 
 if TYPE_CHECKING:
-    from worker.dead_letters import Parked
+    from worker.dead_letters import Outcome, Parked, Selection
 
 from worker import logs
 from worker.errors import ConfigurationError
@@ -147,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     dlq = commands.add_parser(
         "dlq",
-        help="inspect or replay the dead-letter queue",
-        description="Messages parked in <queue>.dlq, and why; replay sends them back to run.",
+        help="inspect, replay or purge the dead-letter queue",
+        description="Messages parked in <queue>.dlq, and why; replay sends them back to run, "
+        "purge deletes them. Each takes the queue one message at a time (memory bounded by one "
+        "message); the messages it leaves keep their place and order.",
     )
     dlq_commands = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     dlq_list = command(
@@ -156,20 +159,49 @@ def build_parser() -> argparse.ArgumentParser:
         "list",
         _dlq_list,
         "show what is parked and why (the messages stay parked)",
-        "Show the parked messages, oldest first; the queue is left as it was.",
+        "Show the parked messages, oldest first, one line each as it is read; the queue is "
+        "left as it was.",
     )
-    dlq_list.add_argument("--limit", type=positive_int, help="show at most this many")
+    shown = dlq_list.add_mutually_exclusive_group()
+    shown.add_argument(
+        "--limit", type=positive_int, default=DLQ_LIST_LIMIT, help=f"default {DLQ_LIST_LIMIT}"
+    )
+    shown.add_argument("--all", action="store_true", help="show every parked message")
+    _dlq_filters(dlq_list)
     dlq_replay = command(
         dlq_commands,
         "replay",
         _dlq_replay,
         "clear the failed state and send parked messages back to the work queue",
-        "For each parked message (oldest first; only those with --key if given): forget that "
-        "its key failed, send it back to the work queue, remove it from the DLQ. Each "
-        "replayed message runs once.",
+        "For each parked message that the filters select (oldest first): forget that its key "
+        "failed, send it back to the work queue, remove it from the DLQ. Each replayed message "
+        "runs once. A message parked longer ago than --inbox-retention is refused and stays "
+        "parked (its key may have expired from the inbox, so it could run twice) unless "
+        "--force. One line per message, then a summary.",
     )
     dlq_replay.add_argument("--limit", type=positive_int, help="replay at most this many")
-    dlq_replay.add_argument("--key", help="replay only the messages with this idempotency key")
+    _dlq_filters(dlq_replay)
+    dlq_replay.add_argument(
+        "--force", action="store_true", help="replay messages parked before inbox_retention too"
+    )
+    dlq_replay.add_argument(
+        "--dry-run", action="store_true", help="show what would be replayed; change nothing"
+    )
+    dlq_purge = command(
+        dlq_commands,
+        "purge",
+        _dlq_purge,
+        "delete the parked messages the filters select",
+        "Delete each parked message that the filters select (all of them with --all); the "
+        "others keep their place. Asks nothing: give at least one filter or --all. Messages "
+        "parked after the purge began are left. One line per message, then a summary.",
+    )
+    dlq_purge.add_argument("--limit", type=positive_int, help="delete at most this many")
+    _dlq_filters(dlq_purge)
+    dlq_purge.add_argument("--all", action="store_true", help="delete every parked message")
+    dlq_purge.add_argument(
+        "--dry-run", action="store_true", help="show what would be deleted; change nothing"
+    )
 
     status = command(
         commands,
@@ -396,16 +428,42 @@ def _workflows(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
+DLQ_LIST_LIMIT = 100
+"""Messages ``worker dlq list`` shows unless told otherwise."""
+
+
+def _dlq_filters(parser: argparse.ArgumentParser) -> None:
+    """The flags that select parked messages, shared by every ``dlq`` action."""
+    parser.add_argument("--key", help="only the messages with this idempotency key")
+    parser.add_argument("--reason", help="only the messages parked for this reason")
+    parser.add_argument("--handler", help="only the messages of this handler (its routing key)")
+
+
+def _dlq_selection(args: argparse.Namespace) -> Selection:
+    from worker.dead_letters import Selection
+
+    return Selection(key=args.key, reason=args.reason, handler=args.handler)
+
+
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
     from worker import dead_letters
 
-    async def browse(connection: AbstractRobustConnection) -> list[dead_letters.Parked]:
-        return await dead_letters.list_parked(connection, settings, limit=args.limit)
+    limit = None if args.all else args.limit
 
-    parked = asyncio.run(_with_broker(settings, browse))
-    for message in parked:
-        print(_describe(message))
-    print(f"{len(parked)} parked message(s) shown from {settings.dead_letter_queue}")
+    async def show(connection: AbstractRobustConnection) -> int:
+        found = dead_letters.browse(
+            connection, settings, selection=_dlq_selection(args), limit=limit
+        )
+        shown = 0
+        async with contextlib.aclosing(found) as outcomes:
+            async for outcome in outcomes:
+                print(_describe(outcome.parked), flush=True)
+                shown += 1
+        return shown
+
+    shown = asyncio.run(_with_broker(settings, show))
+    more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
+    print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
     return 0
 
 
@@ -413,17 +471,62 @@ def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
     from worker import dead_letters
     from worker.database import one_connection
 
-    async def replay(connection: AbstractRobustConnection) -> list[dead_letters.Parked]:
+    async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
         async with one_connection(settings, "worker-dlq") as engine:
-            return await dead_letters.replay(
-                connection, engine, settings, limit=args.limit, key=args.key
+            outcomes = dead_letters.replaying(
+                connection,
+                engine,
+                settings,
+                selection=_dlq_selection(args),
+                limit=args.limit,
+                force=args.force,
+                dry_run=args.dry_run,
             )
+            return await _dlq_report(outcomes, "would replay" if args.dry_run else "replayed")
 
-    replayed = asyncio.run(_with_broker(settings, replay))
-    for message in replayed:
-        print(f"replayed {_describe(message)}")
-    print(f"{len(replayed)} message(s) sent back to {settings.queue}")
+    done, refused = asyncio.run(_with_broker(settings, replay))
+    summary = f"{done} message(s) sent back to {settings.queue}"
+    if args.dry_run:
+        summary = f"dry run: {done} message(s) would be sent back to {settings.queue}"
+    if refused:
+        summary += f"; {refused} refused and left parked (--force replays them)"
+    print(summary + ("; nothing changed" if args.dry_run else ""))
     return 0
+
+
+def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
+    from worker import dead_letters
+
+    selection = _dlq_selection(args)
+    if not selection.filters and not args.all:
+        raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
+
+    async def purge(connection: AbstractRobustConnection) -> tuple[int, int]:
+        outcomes = dead_letters.purging(
+            connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
+        )
+        return await _dlq_report(outcomes, "would purge" if args.dry_run else "purged")
+
+    done, _ = asyncio.run(_with_broker(settings, purge))
+    if args.dry_run:
+        print(f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}")
+    else:
+        print(f"{done} message(s) purged from {settings.dead_letter_queue}")
+    return 0
+
+
+async def _dlq_report(outcomes: AsyncGenerator[Outcome, None], done: str) -> tuple[int, int]:
+    """Print one line per message of a bulk ``dlq`` action as it happens; (done, refused)."""
+    done_count = refused_count = 0
+    async with contextlib.aclosing(outcomes) as each:
+        async for outcome in each:
+            if outcome.done:
+                done_count += 1
+                print(f"{done} {_describe(outcome.parked)}", flush=True)
+            else:
+                refused_count += 1
+                print(f"refused {_describe(outcome.parked)}: {outcome.refused}", flush=True)
+    return done_count, refused_count
 
 
 async def _with_broker(
