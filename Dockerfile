@@ -1,9 +1,12 @@
 # The worker image: `worker run` by default; compose also uses it for `worker migrate` and `worker demo`.
 FROM python:3.11-slim
 
+# A container's network namespace is its own: /healthz and /metrics listen on every interface of
+# it, so probes and scrapers reach them (a host install defaults to 127.0.0.1).
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    WORKER_HTTP_HOST=0.0.0.0
 
 WORKDIR /app
 
