@@ -379,3 +379,37 @@ async def test_an_unchecked_exception_while_opening_is_parked_not_fatal(
         await stays_quiet(worker, settings)
         parked = await dead_letters(channel, settings)
     assert [m.headers["x-worker-reason"] for m in parked] == ["check-failed"]
+
+
+async def test_a_copy_too_large_for_a_frame_is_dead_lettered_by_the_broker_once(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given an invalid message whose headers nearly fill an AMQP frame: its DLQ copy, with the
+    # x-worker headers added, would not fit, and the broker would close the whole connection
+    big = {"padding": "x" * (131072 - 400)}
+    async with running_worker(settings, quoting_router()) as worker:
+        channel = await amqp.channel(publisher_confirms=True)
+        await publish(channel, settings, {"payment_id": "bad"}, key="k-big", headers=big)
+        await publish(channel, settings, payment("after-big"), key="k-after-big")
+
+        # When the worker handles them
+        await wait_until(lambda: _at_least(worker, "dead_lettered", 1))
+        await wait_until(lambda: _at_least(worker, "processed", 2))
+        await wait_until(lambda: _empty(settings.queue))
+        await stays_quiet(worker, settings)
+        parked = await dead_letters(channel, settings)
+
+    # Then no copy was tried (none was lost with a connection the broker closed): the broker
+    # dead-lettered the original, once, as it was
+    assert not [r for r in caplog.records if "was lost" in r.getMessage()]
+    assert worker.stats["rejected_to_broker"] == 1
+    assert worker.stats["dead_lettered:invalid"] == 1
+    assert len(parked) == 1
+    assert "x-worker-reason" not in parked[0].headers
+    assert parked[0].headers["padding"] == big["padding"]
+    assert parked[0].headers["x-death"][0]["reason"] == "rejected"
+    ledger = await rows(engine, "SELECT payment_id FROM ledger_entries")
+    assert [r.payment_id for r in ledger] == ["after-big"]

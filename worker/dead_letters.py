@@ -29,6 +29,7 @@ from aio_pika.abc import (
     AbstractIncomingMessage,
     AbstractRobustConnection,
 )
+from pamqp.encode import field_table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import queries
@@ -110,16 +111,45 @@ class Failure:
         return self.headers(**{REASON: reason, DEAD_LETTERED_AT: datetime.now(UTC).isoformat()})
 
 
+class CopyTooLarge(Exception):
+    """The copy's headers would not fit in one AMQP frame: publishing it would make the broker
+    close the whole connection (and every delivery in flight on it)."""
+
+
+MAX_COPY_HEADER_BYTES = 128 * 1024 - 4096
+"""Encoded header bytes a copy may carry: RabbitMQ's default ``frame_max`` (128 KiB), less room
+for the other properties; the content header of a message must fit in one frame."""
+
+
+def encodable(headers: Mapping[str, Any]) -> dict[str, Any]:
+    """``headers`` that the AMQP client can write back: a value it read but cannot write (a long
+    string that is not UTF-8 arrives as bytes, a double beyond a 32-bit float) becomes its
+    ``repr``, so a copy is never refused for what another client put in a header. Raises
+    ``CopyTooLarge`` when they would not fit in one frame."""
+    written: dict[str, Any] = {}
+    size = 0
+    for name, value in headers.items():
+        try:
+            size += len(field_table({name: value}))
+        except Exception:
+            value = storable(repr(value), MAX_ERROR_LENGTH)
+            size += len(field_table({name: value}))
+        written[name] = value
+    if size > MAX_COPY_HEADER_BYTES:
+        raise CopyTooLarge(f"the copy's headers take {size} bytes; one frame holds less")
+    return written
+
+
 def cause_of(exc: BaseException) -> BaseException:
     """The exception a failure is about: a handler's own, rather than its ``HandlerFailed``."""
     return exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
 
 
 def copy_of(message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> Message:
-    """A persistent copy of ``message`` with ``headers`` instead of its own."""
+    """A persistent copy of ``message`` with ``headers`` (made ``encodable``) instead of its own."""
     return Message(
         body=message.body,
-        headers=dict(headers),
+        headers=encodable(headers),
         content_type=message.content_type,
         content_encoding=message.content_encoding,
         correlation_id=message.correlation_id,

@@ -55,8 +55,8 @@ class Delivery:
     @property
     def failed_attempts(self) -> int:
         """Deliveries of this message that failed before this one (0 on a first delivery)."""
-        value = self.headers.get(ATTEMPTS_HEADER, 0)
-        return min(value, MAX_ATTEMPTS - 1) if isinstance(value, int) and value > 0 else 0
+        value = self.headers.get(ATTEMPTS_HEADER, 0)  # (an AMQP boolean is no count)
+        return min(value, MAX_ATTEMPTS - 1) if type(value) is int and value > 0 else 0
 
     @property
     def attempt(self) -> int:
@@ -79,7 +79,9 @@ class Envelope:
         """The incoming correlation id (the property, else the ``correlation-id`` header that
         carries one too long for the property), or the key when the message carries none."""
         header = self.delivery.headers.get(CORRELATION_HEADER)
-        return self.delivery.correlation_id or (header if isinstance(header, str) else self.key)
+        return self.delivery.correlation_id or (
+            header if isinstance(header, str) and header else self.key
+        )
 
 
 def idempotency_key(delivery: Delivery) -> str:
