@@ -53,8 +53,10 @@ async def dead_letters(
 
 
 async def ready_messages(channel: AbstractChannel, queue: str) -> int:
-    declared = await channel.declare_queue(queue, passive=True)
-    count = declared.declaration_result.message_count
+    """Ready messages of ``queue``, asked of the broker now. (A robust channel answers a passive
+    ``declare_queue`` of a queue it declared before from its cache, with the old count.)"""
+    declared = await (await channel.get_underlay_channel()).queue_declare(queue, passive=True)
+    count = declared.message_count
     assert count is not None
     return count
 
