@@ -363,7 +363,6 @@ def checkpoints(sends: list[dict[str, object]], faults: int) -> list[list[dict[s
     return [sends[len(sends) * i // parts : len(sends) * (i + 1) // parts] for i in range(parts)]
 
 
-@pytest.mark.timeout(max(180, CHAOS_MESSAGES // 25))
 async def test_a_soak_under_random_faults_keeps_the_promise(
     settings: Settings,
     engine: AsyncEngine,
