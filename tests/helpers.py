@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -79,3 +83,53 @@ async def broker_depth(queue: str) -> int:
         if name == queue:
             return sum(int(count) for count in counts)
     raise AssertionError(f"queue {queue} not found")
+
+
+def broker_client_ports(pids: Iterable[int], amqp_url: str) -> set[int]:
+    """The local ports of the TCP connections that the processes ``pids`` hold to the broker
+    (read from Linux's ``/proc``; a process that has exited holds none)."""
+    sockets: set[str] = set()
+    for pid in pids:
+        try:
+            fds = list(Path(f"/proc/{pid}/fd").iterdir())
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                sockets.add(target.removeprefix("socket:[").removesuffix("]"))
+    broker_port = urlsplit(amqp_url).port or 5672
+    ports: set[int] = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, remote, inode = (line.split()[i] for i in (1, 2, 9))
+            if inode in sockets and int(remote.rpartition(":")[2], 16) == broker_port:
+                ports.add(int(local.rpartition(":")[2], 16))
+    return ports
+
+
+async def close_broker_connections(pids: Iterable[int], amqp_url: str, explanation: str) -> int:
+    """Have the broker close (``CONNECTION_FORCED``, with ``explanation``) every connection the
+    processes ``pids`` hold to it, and no other: tests in other sessions share the broker.
+    Returns how many it closed."""
+    ports = broker_client_ports(pids, amqp_url)
+    if not ports:
+        return 0
+    close = (
+        f"Ports = [{','.join(map(str, sorted(ports)))}], "
+        f"length([rabbit_networking:close_connection(P, {json.dumps(explanation)}) "
+        "|| P <- rabbit_networking:connections(), lists:member(proplists:get_value(peer_port, "
+        "rabbit_networking:connection_info(P, [peer_port])), Ports)])."
+    )
+    result = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", "eval", close],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    # (a connection that closed meanwhile can make the broker's listing fail: none closed)
+    return int(result.stdout) if result.returncode == 0 and result.stdout.strip().isdigit() else 0

@@ -1,6 +1,8 @@
 """Crash consistency with real ``worker run`` and ``worker relay`` processes and the payments
 example: SIGKILL at each crash point, and a soak under random kills, cut broker connections and
-terminated database backends. After a restart and a quiet moment the promise holds: each
+terminated database backends. The soak's faults are driven by its progress, not by the clock:
+its load is sent in parts and a fault struck between two parts, so each kind of fault strikes
+while the load is still arriving. After a restart and a quiet moment the promise holds: each
 payment's effect exactly once, each settled event delivered downstream at least once, nothing
 left in the queue, no stuck inbox row, the outbox drained, nothing dead-lettered.
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -20,6 +23,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +35,14 @@ from aio_pika.abc import AbstractQueue, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments.demo import DemoPlan, plan_payments
-from tests.helpers import broker_depth, rows, scalar, wait_until, worker_environ
+from tests.helpers import (
+    broker_depth,
+    close_broker_connections,
+    rows,
+    scalar,
+    wait_until,
+    worker_environ,
+)
 from tests.test_cli import WORKER_SCRIPT, run
 from tests.test_process import start_worker, wait_for_consumer
 from worker import faults
@@ -40,6 +51,7 @@ from worker.settings import Settings
 pytestmark = [
     pytest.mark.chaos,
     pytest.mark.skipif(shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl"),
+    pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux's /proc"),
 ]
 
 PAYMENTS = {"WORKER_HANDLERS": "examples.payments"}
@@ -50,12 +62,14 @@ def make_load(count: int, duplicate_share: float = 0.2, seed: int = 5) -> DemoPl
     return plan_payments(count, duplicate_share, 8, seed)
 
 
-async def publish_all(amqp: AbstractRobustConnection, settings: Settings, load: DemoPlan) -> int:
+async def publish_all(
+    amqp: AbstractRobustConnection, settings: Settings, sends: list[dict[str, object]]
+) -> int:
     """Publish every send with confirms, retrying one whose confirm was lost (a cut connection):
     a resend is just one more duplicate. Returns how many publishes were retried."""
     retried = 0
     channel = await amqp.channel(publisher_confirms=True)
-    for p in load.sends:
+    for p in sends:
         message = Message(json.dumps(p).encode(), headers={"idempotency-key": p["payment_id"]})
         while True:
             try:
@@ -67,6 +81,8 @@ async def publish_all(amqp: AbstractRobustConnection, settings: Settings, load: 
             except Exception:
                 retried += 1
                 await asyncio.sleep(0.2)
+    if not channel.is_closed:
+        await channel.close()
     return retried
 
 
@@ -119,6 +135,14 @@ class Processes:
         assert process.returncode == -signal.SIGKILL, self.log(name)[-3000:]
 
     async def stop_all(self) -> None:
+        """SIGTERM every process once it handles SIGTERM (one restarted a moment ago may still
+        be starting, and would die of it), and expect a clean exit."""
+
+        async def all_handle_sigterm() -> bool:
+            running = self.running.values()
+            return all(p.poll() is not None or catches_sigterm(p.pid) for p in running)
+
+        await wait_until(all_handle_sigterm, timeout=60, interval=0.1)
         for process in self.running.values():
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
@@ -131,6 +155,14 @@ class Processes:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+
+
+def catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM installed (Linux's ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+    return False
 
 
 @pytest.fixture
@@ -235,7 +267,7 @@ async def test_a_kill_at_each_crash_point_then_a_restart_keeps_the_promise(
     await wait_for_consumer(amqp, settings.queue)
     async with capture_queue(amqp, settings) as capture:
         # When a burst arrives and the armed process dies at the crash point
-        await publish_all(amqp, settings, load)
+        await publish_all(amqp, settings, load.sends)
         if crash_at == faults.CONSUMER_DRAINING:
 
             async def under_way() -> bool:
@@ -259,55 +291,76 @@ async def test_a_kill_at_each_crash_point_then_a_restart_keeps_the_promise(
 
 CHAOS_MESSAGES = int(os.environ.get("CHAOS_MESSAGES", "1500"))
 
+FAULTS = (
+    "sigkill worker",
+    "sigkill relay",
+    "broker connections closed",
+    "database backends terminated",
+)
+"""The kinds of fault a soak injects, each at least once while its load is still being sent."""
+
+FAULT_ROUNDS = max(1, CHAOS_MESSAGES // 1500)
+"""How often a soak injects each kind of fault: once in the short soak, more in a longer one."""
+
 
 @dataclass
 class Chaos:
-    """Faults a driver injects at random while the load runs, and how many of each."""
+    """The faults of a soak, injected into its processes in a seeded random order, one at each
+    of the load's checkpoints, and how many of each were injected."""
 
+    processes: Processes
+    settings: Settings
     rng: random.Random = field(default_factory=lambda: random.Random(23))
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
 
-    def count(self, fault: str) -> None:
-        self.counts[fault] = self.counts.get(fault, 0) + 1
+    def schedule(self, rounds: int) -> list[str]:
+        """Every kind of fault ``rounds`` times, shuffled."""
+        faults = list(FAULTS) * rounds
+        self.rng.shuffle(faults)
+        return faults
+
+    async def inject(self, fault: str) -> None:
+        """SIGKILL and restart a worker or a relay (chosen at random), cut every broker
+        connection of the processes, or terminate their database backends; the last two wait
+        until they hit at least one connection (every process may be starting)."""
+        if fault == "sigkill worker":
+            await self.kill_and_restart("worker", "run")
+        elif fault == "sigkill relay":
+            await self.kill_and_restart("relay", "relay")
+        elif fault == "broker connections closed":
+            await wait_until(self.cut_broker_connections, timeout=60, interval=0.2)
+        else:
+            await wait_until(self.terminate_backends, timeout=60, interval=0.2)
+        self.counts[fault] += 1
+
+    async def kill_and_restart(self, role: str, command: str) -> None:
+        name = self.rng.choice(sorted(n for n in self.processes.running if n.startswith(role)))
+        process = self.processes.running[name]
+        process.kill()
+        await asyncio.to_thread(process.wait, 30)
+        self.processes.start(name, command)
+
+    async def cut_broker_connections(self) -> bool:
+        pids = [p.pid for p in self.processes.running.values() if p.poll() is None]
+        return await close_broker_connections(pids, self.settings.amqp_url, "chaos") >= 1
+
+    async def terminate_backends(self) -> bool:
+        admin = await asyncpg.connect(self.settings.database_url)
+        try:
+            terminated = await admin.fetchval(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name IN ('worker', 'worker-relay') "
+                "AND datname = current_database()"
+            )
+        finally:
+            await admin.close()
+        return int(terminated) >= 1
 
 
-async def drive_chaos(
-    processes: Processes, stop: asyncio.Event, chaos: Chaos, database_url: str
-) -> None:
-    """Every 0.5 to 2 s: SIGKILL and restart a worker or a relay, cut every broker connection, or
-    terminate the workers' database backends."""
-    admin = await asyncpg.connect(database_url)
-    try:
-        while not stop.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), chaos.rng.uniform(0.5, 2.0))
-            if stop.is_set():
-                return
-            fault = chaos.rng.choice(["kill", "kill", "close_connections", "terminate_backends"])
-            if fault == "kill":
-                name = chaos.rng.choice(sorted(processes.running))
-                processes.running[name].kill()
-                await asyncio.to_thread(processes.running[name].wait, 30)
-                command = "relay" if name.startswith("relay") else "run"
-                processes.start(name, command)
-                chaos.count(f"sigkill {name.rstrip('0123456789')}")
-            elif fault == "close_connections":
-                await asyncio.to_thread(
-                    subprocess.run,
-                    ["rabbitmqctl", "-q", "close_all_connections", "chaos"],
-                    check=False,
-                    capture_output=True,
-                )
-                chaos.count("broker connections closed")
-            else:
-                await admin.fetchval(
-                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                    "WHERE application_name IN ('worker', 'worker-relay') "
-                    "AND datname = current_database()"
-                )
-                chaos.count("database backends terminated")
-    finally:
-        await admin.close()
+def checkpoints(sends: list[dict[str, object]], faults: int) -> list[list[dict[str, object]]]:
+    """``sends`` cut into ``faults + 1`` nearly equal parts, in order."""
+    parts = faults + 1
+    return [sends[len(sends) * i // parts : len(sends) * (i + 1) // parts] for i in range(parts)]
 
 
 async def test_a_soak_under_random_faults_keeps_the_promise(
@@ -317,7 +370,8 @@ async def test_a_soak_under_random_faults_keeps_the_promise(
     processes: Processes,
 ) -> None:
     load = make_load(CHAOS_MESSAGES, duplicate_share=0.2, seed=7)
-    chaos = Chaos()
+    chaos = Chaos(processes, settings)
+    faults = chaos.schedule(FAULT_ROUNDS)
     started = time.monotonic()
     # Given two workers (with their in-process relays) and two relays
     for name in ("worker1", "worker2"):
@@ -326,26 +380,22 @@ async def test_a_soak_under_random_faults_keeps_the_promise(
         processes.start(name, "relay")
     await wait_for_consumer(amqp, settings.queue)
     async with capture_queue(amqp, settings) as capture:
-        # When the load runs while a driver kills, cuts and terminates at random
-        stop = asyncio.Event()
-        driver = asyncio.create_task(drive_chaos(processes, stop, chaos, settings.database_url))
-        resent = await publish_all(amqp, settings, load)
-
-        async def half_done() -> bool:
-            done = await scalar(engine, "SELECT count(*) FROM settlement_notices")
-            return int(done) >= len(load.payments) // 2
-
-        await wait_until(half_done, timeout=600, interval=0.5)
-        stop.set()
-        await driver
+        # When the load is sent in parts, and between two parts a fault is injected: a kill,
+        # a cut of the broker connections or of the database backends (so every kind of fault
+        # strikes before the last part is even sent)
+        resent = 0
+        for part, fault in itertools.zip_longest(checkpoints(load.sends, len(faults)), faults):
+            resent += await publish_all(amqp, settings, part)
+            if fault is not None:
+                await chaos.inject(fault)
 
         # Then, once it is quiet, every invariant holds
         await wait_quiet(engine, settings, load, timeout=300)
         await processes.stop_all()
         figures = await assert_promise_kept(engine, settings, load, capture)
+    assert chaos.counts == Counter(dict.fromkeys(FAULTS, FAULT_ROUNDS))
     figures.update(chaos.counts)
     figures["publishes_resent_after_a_cut"] = resent
     figures["process_starts"] = processes.starts
     figures["seconds"] = round(time.monotonic() - started)
     print("\nsoak figures:", json.dumps(figures, sort_keys=True))
-    assert sum(chaos.counts.values()) >= 1

@@ -38,6 +38,8 @@ def _caused_by(cause: BaseException) -> Exception:
         # refused credentials are not the message's fault (at start-up they are not retried:
         # see tests/test_tls_and_auth.py)
         aiormq.exceptions.AuthenticationError("wrong password"),
+        # aio-pika, a channel asked of a robust connection between reconnects (the soak again)
+        RuntimeError("Connection was not opened"),
     ],
 )
 def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:

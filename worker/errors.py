@@ -142,8 +142,11 @@ _TRANSIENT_SQLSTATES = frozenset(
 )
 
 
-_CLOSED_BY_AIO_PIKA = re.compile(r"<(Connection|Channel|RobustChannel)\b.*> closed", re.DOTALL)
-"""How aiormq and aio-pika word the RuntimeError for using a connection or channel that closed."""
+_CLOSED_BY_AIO_PIKA = re.compile(
+    r"<(Connection|Channel|RobustChannel)\b.*> closed|Connection was not opened", re.DOTALL
+)
+"""How aiormq and aio-pika word the RuntimeError for using a connection or channel that closed
+(or, for a channel asked of a robust connection between its reconnect attempts, not opened)."""
 
 
 class Fault(enum.Enum):
