@@ -2,14 +2,14 @@
 
 Three scenarios run one after another, each against the same fresh database and broker names:
 
-1. ``relay (LISTEN/NOTIFY)``: a separate relay (``worker.runner.run_relay``) woken by NOTIFY.
+1. ``relay (LISTEN/NOTIFY)``: a separate relay (``worker.ops.runner.run_relay``) woken by NOTIFY.
 2. ``relay (polling only)``: the same relay without NOTIFY, finding rows by polling alone
-   (idle waits doubling from ``worker.relay.MIN_IDLE`` up to ``relay_poll_interval``).
-3. ``worker run, in-process relay``: the whole worker (``worker.runner.run``) with a one-handler
+   (idle waits doubling from ``worker.transport.relay.MIN_IDLE`` up to ``relay_poll_interval``).
+3. ``worker run, in-process relay``: the whole worker (``worker.ops.runner.run``) with a one-handler
    router that publishes one event per request.
 
 In 1 and 2 this script commits the outbox rows itself, one row per transaction, with the worker's
-own SQL (``queries.append_outbox``), and the latency is commit -> arrival of the event at a
+own SQL (``outbox.append_outbox``), and the latency is commit -> arrival of the event at a
 consumer of this script's. In 3 the latency is end to end: request publish -> consume ->
 transaction -> relay -> arrival of the event. Load is offered at ``--rate`` per second on absolute
 deadlines; a few warm-up rows (or requests) go first and are not counted. Percentiles are
@@ -47,13 +47,15 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import Context, Router, queries, runner
-from worker.context import OutboxMessage
+from worker import Context, Router
+from worker.core.context import OutboxMessage
+from worker.core.envelope import IDEMPOTENCY_KEY_HEADER
 from worker.database import create_engine
-from worker.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
+from worker.sql import outbox
 from worker.testing import scratch_database
-from worker.topology import delete_topology, queue_names
+from worker.transport.topology import delete_topology, queue_names
 
 log = logging.getLogger("benchmarks.relay_latency")
 
@@ -208,7 +210,7 @@ async def relay_scenario(
             ordering_key=None,
         )
         async with engine.begin() as conn:
-            await queries.append_outbox(conn, [message], notify=settings.outbox_notify)
+            await outbox.append_outbox(conn, [message], notify=settings.outbox_notify)
         return str(message.message_id), time.perf_counter()
 
     stop, started, stats = asyncio.Event(), asyncio.Event(), Counter[str]()

@@ -8,13 +8,13 @@ a. ``aio-pika consume+ack``: a bare consumer that acks each delivery, no databas
 b. ``naive asyncpg``: the payments example's business write done by hand, one asyncpg transaction
    per message (insert the ledger row, ``ON CONFLICT DO NOTHING``; when it was new, upsert the
    balance), ack after commit; prefetch and concurrency as the worker's.
-c. ``worker, relay off``: ``worker.runner.run`` with ``examples.payments``, until every preloaded
-   message is processed or recognised as a duplicate.
+c. ``worker, relay off``: ``worker.ops.runner.run`` with ``examples.payments``, until every
+   preloaded message is processed or recognised as a duplicate.
 d. ``worker + relay``: the same with the in-process relay, until every payment is processed, every
    settlement notice written (the example consumes its own ``payment.settled``) and a capture
    queue bound to ``payment.settled`` holds one event per payment.
-e. ``relay draining the outbox``: ``worker.runner.run_relay`` alone on N preloaded outbox rows (the
-   payments example's ``payment.settled`` events, written with ``queries.append_outbox``),
+e. ``relay draining the outbox``: ``worker.ops.runner.run_relay`` alone on N preloaded outbox rows
+   (the payments example's ``payment.settled`` events, written with ``outbox.append_outbox``),
    against ``bare publish+confirm``: the same N messages published with aio-pika, confirms on,
    ``mandatory`` to a bound queue, ``PUBLISH_WINDOW`` in flight and then awaited.
 
@@ -40,7 +40,8 @@ loop it would compete with the worker for it), each with its wall-clock publish 
 ``x-bench-published-at`` header. Two delays per request, nearest-rank percentiles:
 
 - publish -> commit: until the consumer's after-commit debug record for its key (logged after the
-  commit and before the ack; captured by a filter on the ``worker.consumer`` logger, which keeps
+  commit and before the ack; captured by a filter on the ``worker.transport.consumer`` logger,
+  which keeps
   those records from going anywhere else);
 - publish -> transaction start: until the inbox row's ``created_at``, which is PostgreSQL's
   ``now()``, i.e. when the transaction began, not when it committed.
@@ -101,12 +102,13 @@ from benchmarks.relay_latency import (
 )
 from examples.payments import router as payments_router
 from examples.payments.demo import DemoPlan, plan_payments, request_message
-from worker import queries, runner
-from worker.context import OutboxMessage
+from worker.core.context import OutboxMessage
 from worker.database import create_engine
+from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
+from worker.sql import outbox
 from worker.testing import scratch_database
-from worker.topology import declare_topology
+from worker.transport.topology import declare_topology
 
 log = logging.getLogger("benchmarks.throughput")
 
@@ -124,7 +126,8 @@ LATENCY_WARM_UP = 0.5
 """Seconds of offered load before the latency measurement: pool connections, caches."""
 SCENARIOS = ("a", "b", "c", "d", "e", "latency")
 AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
-"""The format of ``worker.consumer``'s debug record after each commit; its second argument is
+"""The format of ``worker.transport.consumer``'s debug record after each commit; its second
+argument is
 the key. If the consumer stops logging it, the publish -> commit latency is reported as n/a."""
 PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
 WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_parked")
@@ -320,7 +323,7 @@ Service = Callable[[asyncio.Event, asyncio.Event, Counter[str]], Coroutine[Any, 
 
 
 def worker_service(settings: Settings) -> Service:
-    """``worker.runner.run`` with the payments example on ``settings``."""
+    """``worker.ops.runner.run`` with the payments example on ``settings``."""
     return functools.partial(runner.run, settings, payments_router)
 
 
@@ -465,7 +468,7 @@ async def naive_consume(bench: Bench) -> Timing:
 
 
 async def worker_relay_off(bench: Bench) -> Timing:
-    """(c) ``worker.runner.run`` with the payments example and no relay."""
+    """(c) ``worker.ops.runner.run`` with the payments example and no relay."""
     return await _worker_relay_off(bench, "c")
 
 
@@ -575,7 +578,7 @@ def outbox_messages(bench: Bench, exchange: str) -> Iterator[OutboxMessage]:
 
 
 async def relay_alone(bench: Bench) -> Timing:
-    """(e) ``worker.runner.run_relay`` draining N preloaded outbox rows to a bound queue."""
+    """(e) ``worker.ops.runner.run_relay`` draining N preloaded outbox rows to a bound queue."""
     settings = bench.names("e")
     sink_name = f"{settings.queue}.sink"
     await reset_tables(bench.engine)
@@ -589,7 +592,7 @@ async def relay_alone(bench: Bench) -> Timing:
         rows = outbox_messages(bench, settings.exchange)
         while batch := list(itertools.islice(rows, OUTBOX_BATCH)):
             async with bench.engine.begin() as conn:
-                await queries.append_outbox(conn, batch)
+                await outbox.append_outbox(conn, batch)
         progress(
             f"  preloaded {len(bench.plan.sends)} outbox rows "
             f"in {time.perf_counter() - started:.1f} s"
@@ -668,8 +671,8 @@ class CommitTimes(logging.Filter):
 
 @contextlib.contextmanager
 def watching_commits() -> Iterator[CommitTimes]:
-    """``CommitTimes`` on the ``worker.consumer`` logger, at DEBUG level while it is open."""
-    logger = logging.getLogger("worker.consumer")
+    """``CommitTimes`` on the ``worker.transport.consumer`` logger, at DEBUG level while open."""
+    logger = logging.getLogger("worker.transport.consumer")
     commits, level = CommitTimes(logger.getEffectiveLevel()), logger.level
     logger.addFilter(commits)
     logger.setLevel(logging.DEBUG)

@@ -25,12 +25,13 @@ from examples.orders import router as orders_router
 from examples.orders.tables import metadata as orders_metadata
 from examples.payments import router as payments_router
 from examples.payments.tables import metadata as payments_metadata
-from worker import runner, tables
+from worker.core.router import Router
 from worker.database import create_engine
-from worker.router import Router
+from worker.ops import runner
 from worker.settings import Settings, redact
+from worker.sql import tables
 from worker.testing import scratch_database
-from worker.topology import delete_topology
+from worker.transport.topology import delete_topology
 
 BASE = Settings.load()
 TEST_RETRY_DELAYS = (0.1, 0.2)

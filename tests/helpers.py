@@ -14,8 +14,8 @@ from urllib.parse import urlsplit
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker.envelope import Delivery, Envelope, open_envelope
-from worker.router import Router
+from worker.core.envelope import Delivery, Envelope, open_envelope
+from worker.core.router import Router
 from worker.settings import Settings, format_duration
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from worker.acks import Settlements
+from worker.transport.acks import Settlements
 
 
 @dataclass(eq=False)

@@ -21,9 +21,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.conftest import running_relay
 from tests.helpers import rows, scalar, wait_until, worker_environ
 from tests.test_cli import WORKER_SCRIPT, run
-from worker import admin, queries
+from worker.ops import admin
 from worker.settings import Settings
-from worker.topology import declare_topology
+from worker.sql import outbox
+from worker.transport.topology import declare_topology
 
 ROUTING_KEY = "admin.test"
 
@@ -75,7 +76,7 @@ async def park(engine: AsyncEngine, settings: Settings, **row: Any) -> tuple[int
     """An outbox row parked the way the relay parks one: its last attempt failed."""
     row_id, message_id = await add_outbox_row(engine, settings, **row)
     async with engine.begin() as conn:
-        parked = await queries.fail_outbox(
+        parked = await outbox.fail_outbox(
             conn, {row_id: "unroutable: NO_ROUTE"}, max_attempts=1, retry_delay=1.0
         )
     assert parked == [row_id]

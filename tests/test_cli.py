@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import _load_settings, build_parser
 from worker.errors import ConfigurationError
+from worker.ops.cli import _load_settings, build_parser
 from worker.settings import FIELDS, Settings
 
 WORKER_SCRIPT = Path(sys.executable).with_name("worker")

@@ -9,7 +9,7 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from worker.codec import canonical_json, decode_json, encode_json, fingerprint
+from worker.core.codec import canonical_json, decode_json, encode_json, fingerprint
 from worker.errors import UndecodableBody
 
 

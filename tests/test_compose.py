@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from worker.cli import build_parser
+from worker.ops.cli import build_parser
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -21,10 +21,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import broker_depth, rows, worker_environ
 from tests.test_cli import WORKER_SCRIPT, run
-from worker import dead_letters as dlq
-from worker.envelope import Delivery
+from worker.core.envelope import Delivery
 from worker.settings import Settings
-from worker.topology import declare_topology
+from worker.transport import dead_letters as dlq
+from worker.transport.topology import declare_topology
 
 HANDLER = "dlq.job"
 OTHER_HANDLER = "dlq.other"

@@ -9,8 +9,9 @@ import pytest
 from pydantic import BaseModel, ConfigDict
 
 from worker import Context
-from worker.codec import decode_json, fingerprint
-from worker.envelope import Delivery, Envelope, open_envelope
+from worker.core.codec import decode_json, fingerprint
+from worker.core.envelope import Delivery, Envelope, open_envelope
+from worker.core.router import Router
 from worker.errors import (
     BodyTooLarge,
     InvalidBody,
@@ -20,7 +21,6 @@ from worker.errors import (
     Rejected,
     UndecodableBody,
 )
-from worker.router import Router
 
 LIMIT = 1024
 

@@ -23,9 +23,9 @@ from tests.tcp_proxy import tcp_proxy
 from tests.test_cli import WORKER_SCRIPT, run
 from tests.test_consumer import dead_letters, publish, queue_empty, ready_messages
 from worker import Context, Permanent, Retryable, Router
-from worker import dead_letters as dlq
 from worker.errors import is_transient
 from worker.settings import Settings
+from worker.transport import dead_letters as dlq
 
 ROUTING_KEY = "flaky.job"
 

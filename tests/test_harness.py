@@ -22,9 +22,9 @@ from tests.conftest import TABLES, running_worker
 from tests.helpers import payment, rows, scalar, wait_until
 from tests.test_consumer import dead_letters, publish
 from worker import Context, Permanent, Retryable, Router
-from worker import dead_letters as dlq
 from worker.settings import Settings
 from worker.testing import Delivered, Harness, Published
+from worker.transport import dead_letters as dlq
 
 
 def order(

@@ -48,10 +48,10 @@ from tests.conftest import RunningWorker, running_worker
 from tests.helpers import rows, wait_until
 from tests.test_consumer import dead_letters
 from tests.test_failures import inbox, settled
-from worker.dead_letters import Failure, encodable
-from worker.envelope import Delivery, Envelope, open_envelope
+from worker.core.envelope import Delivery, Envelope, open_envelope
 from worker.errors import Rejected
 from worker.settings import Settings
+from worker.transport.dead_letters import Failure, encodable
 
 KEY_HEADER = "idempotency-key"
 CORRELATION_HEADER = "correlation-id"

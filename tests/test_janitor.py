@@ -17,10 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
 from tests.test_cli import WORKER_SCRIPT, run
-from worker import queries
 from worker.database import create_engine
-from worker.janitor import Janitor, Sweep, sweep
+from worker.ops.janitor import Janitor, Sweep, sweep
 from worker.settings import Settings
+from worker.sql import maintenance
 
 EXPIRED = 8  # days; the default retention is 7
 HANG_GUARD = 10.0
@@ -50,7 +50,7 @@ async def keys(engine: AsyncEngine) -> list[str]:
 
 LOCK_HOLDERS = (
     "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
-    f"AND classid = {queries.JANITOR_LOCK_CLASS} AND objid = 0 AND objsubid = 2"
+    f"AND classid = {maintenance.JANITOR_LOCK_CLASS} AND objid = 0 AND objsubid = 2"
 )
 """Sessions holding the janitor lock (a two-key advisory lock has ``objsubid`` 2)."""
 
@@ -100,14 +100,14 @@ async def test_skips_a_sweep_while_another_instance_holds_the_lock(
 ) -> None:
     await insert_keys(engine, "old", 3, status="completed", age_days=EXPIRED)
     assert await other_session.fetchval(
-        "SELECT pg_try_advisory_lock($1, 0)", queries.JANITOR_LOCK_CLASS
+        "SELECT pg_try_advisory_lock($1, 0)", maintenance.JANITOR_LOCK_CLASS
     )
 
     assert await sweep(engine, settings) is None
     assert len(await keys(engine)) == 3
 
     assert await other_session.fetchval(
-        "SELECT pg_advisory_unlock($1, 0)", queries.JANITOR_LOCK_CLASS
+        "SELECT pg_advisory_unlock($1, 0)", maintenance.JANITOR_LOCK_CLASS
     )
     assert await sweep(engine, settings) == Sweep(3, 1)
     assert await keys(engine) == []
@@ -123,10 +123,10 @@ async def test_releases_the_lock_after_a_sweep(
 
     assert await scalar(engine, LOCK_HOLDERS) == 0
     assert await other_session.fetchval(
-        "SELECT pg_try_advisory_lock($1, 0)", queries.JANITOR_LOCK_CLASS
+        "SELECT pg_try_advisory_lock($1, 0)", maintenance.JANITOR_LOCK_CLASS
     )
     assert await other_session.fetchval(
-        "SELECT pg_advisory_unlock($1, 0)", queries.JANITOR_LOCK_CLASS
+        "SELECT pg_advisory_unlock($1, 0)", maintenance.JANITOR_LOCK_CLASS
     )
 
 
@@ -174,7 +174,7 @@ async def test_janitor_survives_a_transient_failure(
     unreachable = create_engine(settings.replace(database_url="postgresql://nobody@127.0.0.1:1/x"))
     stop = asyncio.Event()
     janitor = Janitor(settings.replace(janitor_interval=0.05), unreachable)
-    with caplog.at_level(logging.WARNING, logger="worker.janitor"):
+    with caplog.at_level(logging.WARNING, logger="worker.ops.janitor"):
         task = asyncio.create_task(janitor.run(stop))
         try:
             await wait_until(lambda: _at_least(_failures(caplog), 2))

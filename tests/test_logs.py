@@ -20,7 +20,7 @@ from examples.payments import router as payments
 from tests.helpers import envelope, payment, scalar, wait_until
 from tests.test_process import wait_for_consumer, worker_process
 from worker import logs
-from worker.envelope import Delivery
+from worker.core.envelope import Delivery
 from worker.settings import Settings
 
 

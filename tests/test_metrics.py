@@ -22,12 +22,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.conftest import BASE
 from tests.helpers import wait_until
-from worker import queries
-from worker.context import OutboxMessage
+from worker.core.context import OutboxMessage
 from worker.database import create_engine
 from worker.errors import PauseReason
-from worker.metrics import Health, HttpServer, Metrics, Monitor, local_url
+from worker.ops.metrics import Health, HttpServer, Metrics, Monitor, local_url
 from worker.settings import Settings
+from worker.sql import outbox
 
 HANG_GUARD = 10.0
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
@@ -189,7 +189,7 @@ async def test_refresh_reports_the_outbox_backlog_its_age_parked_rows_and_inbox_
     engine: AsyncEngine,
 ) -> None:
     async with engine.begin() as conn:
-        await queries.append_outbox(conn, [outbox_message() for _ in range(3)])
+        await outbox.append_outbox(conn, [outbox_message() for _ in range(3)])
         await conn.execute(
             text(
                 "UPDATE outbox SET created_at = now() - interval '90 seconds' "
@@ -314,7 +314,7 @@ async def test_the_monitor_serves_refreshes_and_stops(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
     async with engine.begin() as conn:
-        await queries.append_outbox(conn, [outbox_message(), outbox_message()])
+        await outbox.append_outbox(conn, [outbox_message(), outbox_message()])
     metrics = Metrics()
     local = settings.replace(http_host="127.0.0.1")
     monitor = Monitor(local, engine, amqp, metrics, consuming=lambda: True, port=0)

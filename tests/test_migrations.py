@@ -16,8 +16,9 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from examples.payments import router as payments
 from examples.payments.tables import metadata as payments_metadata
 from tests.conftest import BASE, _require_services
-from worker import schema, tables, testing
+from worker import schema, testing
 from worker.settings import Settings
+from worker.sql import tables
 
 
 @pytest.fixture

@@ -18,9 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.helpers import worker_environ
 from tests.test_admin import declare, park
 from tests.test_cli import WORKER_SCRIPT, run
-from worker import dead_letters
 from worker.logs import printable
 from worker.settings import Settings
+from worker.transport import dead_letters
 
 FORGED = "2026-01-01 00:00:00,000 CRITICAL worker: forged"
 HOSTILE = f"k\n{FORGED}\r\x1b[2J\x1b]0;pwned\x07\x85\u2028\u202eevil\x7f"

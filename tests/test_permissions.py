@@ -38,10 +38,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.conftest import BASE, running_worker
 from tests.helpers import wait_until
 from worker import Context, Permanent, Retryable, Router
-from worker import dead_letters as dlq
-from worker.permissions import DEFAULT_EXCHANGE, producer_permissions, worker_permissions
+from worker.ops.permissions import DEFAULT_EXCHANGE, producer_permissions, worker_permissions
 from worker.settings import Settings
-from worker.topology import declare_topology, queue_names
+from worker.transport import dead_letters as dlq
+from worker.transport.topology import declare_topology, queue_names
 
 DEFINITIONS = Path(__file__).resolve().parent.parent / "deploy" / "rabbitmq" / "definitions.json"
 JOB, DONE = "perm.job", "perm.done"

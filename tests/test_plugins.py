@@ -13,7 +13,7 @@ import pytest
 
 from examples.payments import router as payments_router
 from worker.errors import ConfigurationError
-from worker.plugins import installed_targets, load_router_from, load_routers
+from worker.ops.plugins import installed_targets, load_router_from, load_routers
 
 
 def test_a_module_name_loads_its_router() -> None:
@@ -29,7 +29,7 @@ def test_module_colon_attribute_loads_that_router() -> None:
 
 def test_a_module_without_a_router_is_a_configuration_error() -> None:
     with pytest.raises(ConfigurationError, match="no Router named 'router'"):
-        load_router_from("worker.codec")
+        load_router_from("worker.core.codec")
 
 
 def test_an_attribute_that_is_not_a_router_is_a_configuration_error() -> None:

@@ -30,9 +30,10 @@ from examples.payments import router as payments
 from tests.conftest import RunningWorker, running_worker
 from tests.helpers import broker_depth, payment, rows, scalar, wait_until
 from tests.test_consumer import dead_letters, publish
-from worker import Context, Router, runner, schema
-from worker.envelope import MAX_ATTEMPTS
+from worker import Context, Router, schema
+from worker.core.envelope import MAX_ATTEMPTS
 from worker.errors import ConfigurationError
+from worker.ops import runner
 from worker.settings import Settings
 from worker.testing import empty_database
 

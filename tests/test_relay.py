@@ -28,10 +28,10 @@ from examples.payments import router as payments
 from tests.conftest import running_relay, running_worker
 from tests.helpers import payment, rows, scalar, wait_until
 from tests.test_process import worker_process
-from worker import queries
-from worker.context import OutboxMessage
+from worker.core.context import OutboxMessage
 from worker.faults import RELAY_AFTER_PUBLISH
 from worker.settings import Settings
+from worker.sql import outbox
 
 
 @dataclass
@@ -95,7 +95,7 @@ async def commit(engine: AsyncEngine, messages: Sequence[OutboxMessage], *, each
     """Commit ``messages`` to the outbox, each in its own transaction or all in one."""
     for group in [[m] for m in messages] if each else [list(messages)]:
         async with engine.begin() as conn:
-            await queries.append_outbox(conn, group)
+            await outbox.append_outbox(conn, group)
 
 
 async def outbox_count(engine: AsyncEngine) -> int:
@@ -156,7 +156,7 @@ async def test_a_relay_skips_rows_another_relay_holds(
     sent = [event(settings, n) for n in range(10)]
     await commit(engine, sent, each=False)
     async with engine.connect() as stuck, stuck.begin():
-        held = await queries.claim_outbox(stuck, 4)
+        held = await outbox.claim_outbox(stuck, 4)
         assert [r.message_id for r in held] == [m.message_id for m in sent[:4]]
 
         # When another relay runs meanwhile
@@ -191,7 +191,7 @@ async def test_the_broker_down_then_up_loses_nothing(
             await commit(engine, later, each=True)
 
             def retries() -> int:
-                relay_log = [r for r in caplog.records if r.name == "worker.relay"]
+                relay_log = [r for r in caplog.records if r.name == "worker.transport.relay"]
                 return sum("Retrying" in r.getMessage() for r in relay_log)
 
             async def retrying() -> bool:
@@ -255,18 +255,18 @@ async def test_a_failing_row_backs_off_then_is_parked_while_others_flow(
 async def test_each_failure_doubles_the_wait_before_the_next_try(engine: AsyncEngine) -> None:
     settings = Settings(exchange="events")
     async with engine.connect() as conn, conn.begin():
-        await queries.append_outbox(conn, [event(settings, 0)])
+        await outbox.append_outbox(conn, [event(settings, 0)])
         (row_id,) = (await conn.execute(text("SELECT id FROM outbox"))).one()
         waits = []
         for _ in range(4):  # now() stands still inside one transaction
-            parked = await queries.fail_outbox(
+            parked = await outbox.fail_outbox(
                 conn, {row_id: "returned"}, max_attempts=5, retry_delay=0.5
             )
             assert parked == []
             wait = "SELECT extract(epoch FROM available_at - now()) FROM outbox"
             waits.append(float((await conn.execute(text(wait))).scalar_one()))
         assert waits == [0.5, 1.0, 2.0, 4.0]
-        await queries.fail_outbox(conn, {row_id: "returned"}, max_attempts=5, retry_delay=0.5)
+        await outbox.fail_outbox(conn, {row_id: "returned"}, max_attempts=5, retry_delay=0.5)
         assert (await conn.execute(text("SELECT count(*) FROM outbox"))).scalar_one() == 0
         await conn.rollback()
 
@@ -291,7 +291,7 @@ async def test_a_later_row_of_a_key_waits_behind_an_older_one(
             {"m": rows_[2].message_id},
         )
         async with engine.connect() as conn, conn.begin():
-            claimed = await queries.claim_outbox(conn, 10)
+            claimed = await outbox.claim_outbox(conn, 10)
 
     # Then only the unordered row is returned: no key's row may overtake an older one
     assert [r.message_id for r in claimed] == [rows_[4].message_id]
@@ -303,12 +303,12 @@ async def test_an_ordering_key_gives_ids_in_commit_order(
     # Given a transaction that appended an event of key "k" and has not committed
     async with engine.connect() as first:
         await first.begin()
-        await queries.append_outbox(first, [event(settings, 1, ordering_key="k")])
+        await outbox.append_outbox(first, [event(settings, 1, ordering_key="k")])
 
         # When a second transaction appends another event of "k"
         async def second() -> None:
             async with engine.begin() as conn:
-                await queries.append_outbox(conn, [event(settings, 2, ordering_key="k")])
+                await outbox.append_outbox(conn, [event(settings, 2, ordering_key="k")])
 
         task = asyncio.create_task(second())
 
@@ -333,12 +333,12 @@ async def test_one_notify_per_committed_transaction(
 ) -> None:
     listener = await asyncpg.connect(database_url)
     heard: list[str] = []
-    await listener.add_listener(queries.OUTBOX_CHANNEL, lambda *args: heard.append(args[2]))
+    await listener.add_listener(outbox.OUTBOX_CHANNEL, lambda *args: heard.append(args[2]))
     try:
         async with engine.begin() as conn:  # three events, one transaction
-            await queries.append_outbox(conn, [event(settings, n) for n in range(3)], notify=True)
+            await outbox.append_outbox(conn, [event(settings, n) for n in range(3)], notify=True)
         async with engine.begin() as conn:  # no events: no notification
-            await queries.append_outbox(conn, [], notify=True)
+            await outbox.append_outbox(conn, [], notify=True)
 
         async def heard_one() -> bool:
             return len(heard) == 1

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from worker import Context
+from worker.core.router import Router
 from worker.errors import ConfigurationError, HandlerRegistrationError
-from worker.router import Router
 
 
 async def _noop(body: Any, ctx: Context) -> None:

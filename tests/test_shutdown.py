@@ -135,7 +135,7 @@ class _Dies:
 
 
 async def test_a_component_that_dies_stops_the_others_and_fails_the_process() -> None:
-    from worker.runner import _supervise
+    from worker.ops.runner import _supervise
 
     settings = Settings(shutdown_grace=5)
     survivor = _Stops()

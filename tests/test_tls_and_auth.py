@@ -31,7 +31,6 @@ from tests.test_cli import WORKER_SCRIPT
 from tests.test_consumer import dead_letters, publish
 from worker import Context, Router, backoff
 from worker.database import check_durable_commits, connect_options, create_engine, probe
-from worker.dead_letters import ERROR
 from worker.errors import (
     AccessRefused,
     ConfigurationError,
@@ -41,6 +40,7 @@ from worker.errors import (
 )
 from worker.settings import Settings
 from worker.testing import scratch_database
+from worker.transport.dead_letters import ERROR
 
 # The database URL's TLS options, mapped without a server
 

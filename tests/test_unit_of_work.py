@@ -14,9 +14,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from examples.payments import router as payments
 from tests.helpers import envelope, payment, rows, scalar
 from worker import Context, Retryable, Router
-from worker.codec import fingerprint
+from worker.core.codec import fingerprint
+from worker.core.unit_of_work import Outcome, process
 from worker.errors import HandlerFailed, KeyReused
-from worker.unit_of_work import Outcome, process
 
 EXCHANGE = "events"
 

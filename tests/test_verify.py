@@ -23,9 +23,9 @@ from examples.payments import router as payments
 from tests.conftest import EXAMPLES, running_worker
 from tests.helpers import payment, scalar, wait_until, worker_environ
 from tests.test_cli import WORKER_SCRIPT, run
-from worker import verify
+from worker.ops import verify
 from worker.settings import Settings
-from worker.topology import declare_topology
+from worker.transport.topology import declare_topology
 
 WORKER_CHECKS = {
     "no-stuck-inbox-keys",

@@ -20,8 +20,8 @@ from examples.orders.gateway import charge_id_for
 from tests.helpers import rows, scalar, wait_until
 from tests.test_cli import WORKER_SCRIPT, run
 from tests.test_process import wait_for_consumer, worker_process
+from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT
 from worker.settings import Settings
-from worker.workflows import AFTER_STEP, BEFORE_COMMIT
 
 ORDER = {"order_id": "o-1", "sku": "tea", "quantity": 2, "amount_cents": 700, "account": "ann"}
 KEY = "order-o-1"

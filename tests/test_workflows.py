@@ -17,11 +17,12 @@ from tests.conftest import running_worker
 from tests.helpers import envelope, rows, scalar, wait_until
 from tests.test_consumer import dead_letters, publish
 from tests.test_failures import settled
-from worker import Context, Permanent, Retryable, Router, Workflow, WorkflowBusy, workflows
-from worker import dead_letters as dlq
+from worker import Context, Permanent, Retryable, Router, Workflow, WorkflowBusy
+from worker.core import workflows
+from worker.core.unit_of_work import Outcome
 from worker.errors import HandlerFailed
 from worker.settings import Settings
-from worker.unit_of_work import Outcome
+from worker.transport import dead_letters as dlq
 
 ROUTING_KEY = "trip.booked"
 STEPS = ("book_flight", "book_hotel", "send_itinerary")

@@ -1,3 +1,3 @@
-from worker.cli import main
+from worker.ops.cli import main
 
 raise SystemExit(main())

@@ -19,9 +19,9 @@ from typing import Any
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from worker import queries
 from worker.errors import ConfigurationError, refusals_explained
 from worker.settings import Settings
+from worker.sql import maintenance
 
 PROBE_TIMEOUT = 5.0
 """Seconds PostgreSQL has to answer a probe before it counts as unreachable."""
@@ -175,7 +175,7 @@ async def one_connection(settings: Settings, application_name: str) -> AsyncIter
 async def check_durable_commits(engine: AsyncEngine) -> None:
     """Refuse to run with ``synchronous_commit=off``: an ack could then outlive a lost commit."""
     async with engine.connect() as conn:
-        if await queries.synchronous_commit(conn) == "off":
+        if await maintenance.synchronous_commit(conn) == "off":
             raise ConfigurationError(
                 "synchronous_commit is off for the worker's database role: a crash could lose "
                 "a commit whose message was already acked. Set it to 'on' (or stronger)."
@@ -186,4 +186,4 @@ async def probe(engine: AsyncEngine, *, within: float = PROBE_TIMEOUT) -> None:
     """``SELECT 1`` on a pooled connection within ``within`` seconds; raises when PostgreSQL does
     not answer (the one check behind the consumer's pause, ``/healthz`` and ``worker verify``)."""
     async with asyncio.timeout(within), engine.connect() as conn:
-        await queries.ping(conn)
+        await maintenance.ping(conn)

@@ -28,7 +28,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
-from worker.envelope import Delivery, Envelope
+from worker.core.envelope import Delivery, Envelope
 from worker.errors import ConfigurationError
 from worker.settings import Settings
 

@@ -17,10 +17,10 @@ from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import queries, tables
+from worker.core.router import Router
 from worker.errors import ConfigurationError
-from worker.router import Router
 from worker.settings import Settings
+from worker.sql import maintenance, tables
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 WORKER_VERSION_TABLE = "alembic_version"
@@ -109,7 +109,7 @@ async def pending(engine: AsyncEngine, settings: Settings, router: Router | None
                 config.get_main_option("version_locations"),
             )
             table = config.get_main_option("version_table") or WORKER_VERSION_TABLE
-            if await queries.applied_revisions(conn, table) != heads:
+            if await maintenance.applied_revisions(conn, table) != heads:
                 behind.append(_history_name(config))
     return behind
 

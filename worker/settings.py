@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from worker.codec import DEFAULT_MAX_DEPTH
+from worker.core.codec import DEFAULT_MAX_DEPTH
 from worker.errors import ConfigurationError
 
 ENV_PREFIX = "WORKER_"

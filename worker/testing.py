@@ -46,23 +46,25 @@ from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import backoff, queries, schema, workflows
-from worker.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
-from worker.database import one_connection
-from worker.dead_letters import Failure, cause_of
-from worker.envelope import (
+from worker import backoff, schema
+from worker.core import workflows
+from worker.core.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
+from worker.core.envelope import (
     IDEMPOTENCY_KEY_HEADER,
     Delivery,
     Envelope,
     key_or_none,
     open_envelope,
 )
+from worker.core.router import Router
+from worker.core.unit_of_work import Outcome
+from worker.database import one_connection
 from worker.errors import Fault, KeyReused, Rejected, classify
-from worker.queries import OutboxRow
-from worker.relay import message_of
-from worker.router import Router
 from worker.settings import Settings
-from worker.unit_of_work import Outcome
+from worker.sql import inbox, outbox
+from worker.sql.outbox import OutboxRow
+from worker.transport.dead_letters import Failure, cause_of
+from worker.transport.relay import message_of
 
 log = logging.getLogger(__name__)
 
@@ -290,8 +292,8 @@ class Harness:
         drained: list[Published] = []
         while True:
             async with self.engine.begin() as conn:
-                rows = await queries.claim_outbox(conn, RELAY_BATCH_SIZE)
-                await queries.delete_outbox(conn, [row.id for row in rows])
+                rows = await outbox.claim_outbox(conn, RELAY_BATCH_SIZE)
+                await outbox.delete_outbox(conn, [row.id for row in rows])
             if not rows:
                 break
             drained.extend(published_of(row) for row in rows)
@@ -320,7 +322,7 @@ class Harness:
             return await self._dead_letter(delivery, envelope, exc)
         async with self.engine.connect() as conn:
             key = (envelope.handler.name, envelope.key)
-            entry = (await queries.fetch_keys(conn, [key])).get(key)
+            entry = (await inbox.fetch_keys(conn, [key])).get(key)
         return Delivered(
             delivery,
             outcome.value,
@@ -340,7 +342,7 @@ class Harness:
         failure = Failure.of(delivery, exc, handler)
         if envelope is not None and exc.reason != KeyReused.reason:
             async with self.engine.begin() as conn:
-                await queries.record_failure(
+                await inbox.record_failure(
                     conn, envelope, error=failure.error, attempts=failure.attempts
                 )
         return Delivered(

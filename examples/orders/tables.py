@@ -22,7 +22,7 @@ from sqlalchemy import (
     func,
 )
 
-from worker.tables import NAMING_CONVENTION
+from worker.sql.tables import NAMING_CONVENTION
 
 metadata = MetaData(naming_convention=NAMING_CONVENTION)
 

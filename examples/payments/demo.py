@@ -14,10 +14,10 @@ from typing import Any
 from aio_pika import DeliveryMode, Message
 
 from examples.payments import router as payments_router
-from worker.envelope import IDEMPOTENCY_KEY_HEADER
-from worker.runner import connect_broker
+from worker.core.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.ops.runner import connect_broker
 from worker.settings import Settings
-from worker.topology import declare_topology
+from worker.transport.topology import declare_topology
 
 ROUTING_KEY = "payment.requested"
 

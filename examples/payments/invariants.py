@@ -1,5 +1,5 @@
 """What must hold in the payments example's tables once it is quiet; ``worker verify --handlers
-examples.payments`` checks it (``worker.verify`` finds the ``invariants`` list below).
+examples.payments`` checks it (``worker.ops.verify`` finds the ``invariants`` list below).
 
 Exactly once: each account's balance is the sum of its ledger entries (a payment's effect
 applied twice, or half, would break it; ``ledger_entries``' primary key already forbids a second
@@ -20,7 +20,7 @@ from sqlalchemy import Select, func, or_, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from examples.payments.tables import accounts, ledger_entries, settlement_notices
-from worker.verify import Check, Deployment, Invariant, sample
+from worker.ops.verify import Check, Deployment, Invariant, sample
 
 SETTLED = "payment.settled"
 

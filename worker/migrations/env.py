@@ -18,11 +18,11 @@ from alembic import context
 from sqlalchemy import MetaData
 from sqlalchemy.engine import Connection
 
-from worker import tables
 from worker.database import connect_options, engine_for
 from worker.errors import refusals_explained
 from worker.schema import own_objects_only
 from worker.settings import Settings
+from worker.sql import tables
 
 config = context.config
 if config.config_file_name is not None and config.get_section("loggers") is not None:

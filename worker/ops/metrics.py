@@ -48,12 +48,13 @@ from prometheus_client import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import database, queries
+from worker import database
 from worker.backoff import first
 from worker.database import PROBE_TIMEOUT
 from worker.errors import PauseReason, is_transient
 from worker.settings import Settings, format_duration
-from worker.tables import INBOX_STATUSES
+from worker.sql import inspection
+from worker.sql.tables import INBOX_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ REFRESH_INTERVAL = 5.0
 """Seconds between two rounds of health probes and outbox gauges."""
 
 INBOX_INTERVAL = 60.0
-"""Seconds between two inbox counts, which read the whole inbox (see ``queries.inbox_counts``)."""
+"""Seconds between two inbox counts, which read the whole inbox (``inspection.inbox_counts``)."""
 
 REQUEST_TIMEOUT = 5.0
 """Seconds a client has for its whole exchange: send the request, read the answer, close."""
@@ -239,8 +240,8 @@ class Metrics:
         then keep their last values.
         """
         async with asyncio.timeout(PROBE_TIMEOUT), engine.connect() as conn:
-            outbox = await queries.outbox_stats(conn)
-            counts = await queries.inbox_counts(conn) if inbox else None
+            outbox = await inspection.outbox_stats(conn)
+            counts = await inspection.inbox_counts(conn) if inbox else None
         self.outbox_backlog.set(outbox.backlog)
         self.outbox_oldest_age.set(outbox.oldest_age_seconds)
         self.outbox_parked.set(outbox.parked)

@@ -31,13 +31,15 @@ import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import admin, database, queries
-from worker.dead_letters import list_parked
+from worker import database
+from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.logs import describe_error
-from worker.plugins import installed_targets
-from worker.router import Router
+from worker.ops import admin
+from worker.ops.plugins import installed_targets
 from worker.settings import Settings, format_duration, redact
+from worker.sql import inspection
+from worker.transport.dead_letters import list_parked
 
 APPLICATION_NAME = "worker-verify"
 CONNECT_TIMEOUT = 10.0
@@ -237,7 +239,7 @@ async def no_stuck_inbox_keys(deployment: Deployment) -> Check:
     in one transaction, so a committed in-progress row of one can only be a bug."""
     handlers = _unit_of_work_handlers(deployment.router)
     async with deployment.engine.connect() as conn:
-        total, keys = await queries.stuck_unit_of_work_keys(conn, handlers, SAMPLE)
+        total, keys = await inspection.stuck_unit_of_work_keys(conn, handlers, SAMPLE)
     if not total:
         return Check("no-stuck-inbox-keys", True, "no key in progress outside a workflow")
     names = [f"{key.handler}/{key.key}" for key in keys]
@@ -254,8 +256,8 @@ async def no_stuck_workflows(deployment: Deployment) -> Check:
     handlers = _unit_of_work_handlers(deployment.router)
     stuck_after = deployment.options.stuck_after
     async with deployment.engine.connect() as conn:
-        in_progress = await queries.in_progress_count(conn)
-        total, keys = await queries.expired_workflows(
+        in_progress = await inspection.in_progress_count(conn)
+        total, keys = await inspection.expired_workflows(
             conn, handlers, expired_for=stuck_after, limit=SAMPLE
         )
     limit = format_duration(stuck_after)
@@ -282,8 +284,8 @@ async def outbox_drained(deployment: Deployment) -> Check:
     younger than that (being relayed, or retried after a recent failure)."""
     max_age = deployment.options.max_outbox_age
     async with deployment.engine.connect() as conn:
-        stats = await queries.outbox_stats(conn)
-        total, late = await queries.outbox_older_than(conn, max_age, SAMPLE)
+        stats = await inspection.outbox_stats(conn)
+        total, late = await inspection.outbox_older_than(conn, max_age, SAMPLE)
     limit = format_duration(max_age)
     if not total:
         return Check(
@@ -304,8 +306,8 @@ async def outbox_drained(deployment: Deployment) -> Check:
 async def outbox_nothing_parked(deployment: Deployment) -> Check:
     """No row in ``outbox_parked`` (the relay gave up on it), unless ``allow_parked``."""
     async with deployment.engine.connect() as conn:
-        parked = await queries.parked_outbox(conn, SAMPLE)
-        total = (await queries.outbox_stats(conn)).parked
+        parked = await inspection.parked_outbox(conn, SAMPLE)
+        total = (await inspection.outbox_stats(conn)).parked
     if not total:
         return Check("outbox-nothing-parked", True, "no parked outbox row")
     names = [f"id={row.id} {row.routing_key} last_error={row.last_error!r}" for row in parked]

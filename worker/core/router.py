@@ -20,8 +20,8 @@ from sqlalchemy import MetaData
 from worker.errors import HandlerRegistrationError, InvalidBody
 
 if TYPE_CHECKING:
-    from worker.context import Batch, Context
-    from worker.workflows import Workflow
+    from worker.core.context import Batch, Context
+    from worker.core.workflows import Workflow
 
 HandlerFunc = Callable[[Any, "Context"], Awaitable[Any]]
 WorkflowFunc = Callable[[Any, "Workflow"], Awaitable[Any]]

@@ -11,8 +11,8 @@ import importlib
 from collections.abc import Iterable
 from importlib.metadata import entry_points
 
+from worker.core.router import Router
 from worker.errors import ConfigurationError
-from worker.router import Router
 
 ENTRY_POINT_GROUP = "worker.handlers"
 

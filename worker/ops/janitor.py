@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from worker import queries
 from worker.backoff import first
 from worker.errors import is_transient
-from worker.metrics import Metrics
+from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
+from worker.sql import maintenance
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +48,13 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
         locked = False
         try:
             async with conn.begin():
-                locked = await queries.try_lock_janitor(conn)
+                locked = await maintenance.try_lock_janitor(conn)
             if not locked:
                 return None
             deleted = batches = 0
             while True:
                 async with conn.begin():
-                    count = await queries.delete_expired_keys(
+                    count = await maintenance.delete_expired_keys(
                         conn,
                         retention=settings.inbox_retention,
                         limit=settings.janitor_batch_size,
@@ -79,7 +79,7 @@ async def _unlock(conn: AsyncConnection) -> None:
         return
     try:
         async with conn.begin():
-            await queries.unlock_janitor(conn)
+            await maintenance.unlock_janitor(conn)
     except BaseException as exc:
         await conn.invalidate(exc)
         if not isinstance(exc, Exception):

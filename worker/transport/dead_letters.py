@@ -32,12 +32,12 @@ from aio_pika.abc import (
 from pamqp.encode import field_table
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import queries
-from worker.codec import storable
-from worker.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, key_or_none
+from worker.core.codec import storable
+from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, key_or_none
+from worker.core.router import Handler
 from worker.errors import HandlerFailed
-from worker.router import Handler
 from worker.settings import Settings
+from worker.sql import inbox
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +449,7 @@ async def _replay_one(
     confirm."""
     if parked.key is not None and parked.handler is not None:
         async with engine.begin() as conn:
-            await queries.clear_failure(conn, parked.handler, parked.key)
+            await inbox.clear_failure(conn, parked.handler, parked.key)
     headers = {
         name: value
         for name, value in (message.headers or {}).items()

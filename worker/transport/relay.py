@@ -25,14 +25,15 @@ import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import queries, tracing
+from worker import tracing
 from worker.backoff import first, until_stopped
-from worker.envelope import CORRELATION_HEADER
+from worker.core.envelope import CORRELATION_HEADER
 from worker.errors import Retryable
 from worker.faults import RELAY_AFTER_PUBLISH, RELAY_MID_BATCH, crash_point
-from worker.metrics import Metrics
-from worker.queries import OutboxRow
+from worker.ops.metrics import Metrics
 from worker.settings import Settings
+from worker.sql import outbox
+from worker.sql.outbox import OutboxRow
 
 log = logging.getLogger(__name__)
 
@@ -146,15 +147,15 @@ class Relay:
         """Relay one batch in one transaction; returns how many rows it claimed."""
         self._wake.clear()
         async with self.engine.connect() as conn, conn.begin():
-            rows = await queries.claim_outbox(conn, self.settings.relay_batch_size)
+            rows = await outbox.claim_outbox(conn, self.settings.relay_batch_size)
             if not rows:
                 return 0
             with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
                 published, failed = await self._publish(rows)
                 tracing.set_attribute(span, "worker.failed", len(failed))
             crash_point(RELAY_AFTER_PUBLISH)
-            await queries.delete_outbox(conn, published)
-            parked = await queries.fail_outbox(
+            await outbox.delete_outbox(conn, published)
+            parked = await outbox.fail_outbox(
                 conn,
                 failed,
                 max_attempts=self.settings.relay_max_attempts,
@@ -269,7 +270,7 @@ class Relay:
         try:
             await retrying(self._listen_once, stop)
         except Exception:
-            log.exception("LISTEN %s failed; relying on polling", queries.OUTBOX_CHANNEL)
+            log.exception("LISTEN %s failed; relying on polling", outbox.OUTBOX_CHANNEL)
 
     async def _listen_once(self, stop: asyncio.Event) -> None:
         lost = asyncio.Event()
@@ -281,12 +282,12 @@ class Relay:
             raw = (await conn.get_raw_connection()).driver_connection
             assert raw is not None
             raw.add_termination_listener(lambda _: lost.set())
-            await raw.add_listener(queries.OUTBOX_CHANNEL, on_notify)
+            await raw.add_listener(outbox.OUTBOX_CHANNEL, on_notify)
             self._wake.set()  # rows committed while nobody listened
             try:
                 await first(stop.wait(), lost.wait())
             finally:
                 if not raw.is_closed():
-                    await raw.remove_listener(queries.OUTBOX_CHANNEL, on_notify)
+                    await raw.remove_listener(outbox.OUTBOX_CHANNEL, on_notify)
         if lost.is_set() and not stop.is_set():
             raise ConnectionError("the LISTEN connection was lost")

@@ -18,12 +18,12 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
-from worker import queries
-from worker.context import Batch, Context
-from worker.envelope import Envelope
+from worker.core.context import Batch, Context
+from worker.core.envelope import Envelope
 from worker.errors import HandlerFailed, KeyReused, is_transient
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, crash_point
-from worker.queries import InboxEntry, InboxKey
+from worker.sql import inbox, outbox
+from worker.sql.inbox import InboxEntry, InboxKey
 
 
 class Outcome(enum.Enum):
@@ -54,10 +54,10 @@ async def claim_all(
     claims: dict[InboxKey, InboxEntry | None] = {}
     pending = list(envelopes)
     while pending:
-        claimed = await queries.claim_keys(conn, pending, owner=owner, lease=lease)
+        claimed = await inbox.claim_keys(conn, pending, owner=owner, lease=lease)
         claims.update(dict.fromkeys(claimed))
         taken = [e for e in pending if inbox_key(e) not in claimed]
-        existing = await queries.fetch_keys(conn, [inbox_key(e) for e in taken]) if taken else {}
+        existing = await inbox.fetch_keys(conn, [inbox_key(e) for e in taken]) if taken else {}
         claims.update(existing)
         # a row that vanished between the two statements (the janitor): claim it again
         pending = [e for e in taken if inbox_key(e) not in existing]
@@ -128,9 +128,9 @@ async def process_batch(
             for ctx in contexts:
                 await ctx.flush()
             events = [m for ctx in contexts for m in ctx.outbox]
-            await queries.append_outbox(conn, events, notify=notify)
+            await outbox.append_outbox(conn, events, notify=notify)
             if runnable:
-                await queries.complete_keys(
+                await inbox.complete_keys(
                     conn, [(*inbox_key(e), r) for e, r in zip(runnable, results, strict=True)]
                 )
             crash_point(UNIT_OF_WORK_BEFORE_COMMIT, len(envelopes))

@@ -11,7 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.codec import DEFAULT_MAX_DEPTH, decode_fingerprinted
+from worker.core.codec import DEFAULT_MAX_DEPTH, decode_fingerprinted
+from worker.core.router import Handler, Router
 from worker.errors import (
     BodyTooLarge,
     InvalidKey,
@@ -20,7 +21,6 @@ from worker.errors import (
     NoHandler,
     Rejected,
 )
-from worker.router import Handler, Router
 
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 CORRELATION_HEADER = "correlation-id"

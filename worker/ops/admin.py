@@ -25,12 +25,12 @@ from aio_pika.abc import AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import queries
 from worker.database import one_connection
 from worker.logs import describe_error
 from worker.settings import Settings, format_duration, redact
-from worker.tables import INBOX_STATUSES
-from worker.topology import worker_queues
+from worker.sql import inspection
+from worker.sql.tables import INBOX_STATUSES
+from worker.transport.topology import worker_queues
 
 STATUS_TIMEOUT = 10.0
 """Seconds each part of ``status`` (database, broker) may take before it counts as unreachable."""
@@ -72,7 +72,7 @@ class WorkflowStatus:
     first): the likeliest to be stuck."""
 
     in_progress: int
-    oldest: queries.WorkflowState | None
+    oldest: inspection.WorkflowState | None
 
 
 @dataclass(frozen=True)
@@ -128,9 +128,9 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
     so the numbers agree with each other and ages are measured against one ``now()``."""
     snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
     async with snapshot.begin() as conn:
-        stats = await queries.outbox_stats(conn)
-        inbox = dict.fromkeys(INBOX_STATUSES, 0) | await queries.inbox_counts(conn)
-        oldest = await queries.in_progress_workflows(conn, 1)
+        stats = await inspection.outbox_stats(conn)
+        inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
+        oldest = await inspection.in_progress_workflows(conn, 1)
     return DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,
@@ -193,12 +193,12 @@ async def _part(
     return None
 
 
-async def parked_outbox(settings: Settings, *, limit: int) -> list[queries.ParkedOutboxRow]:
+async def parked_outbox(settings: Settings, *, limit: int) -> list[inspection.ParkedOutboxRow]:
     """Up to ``limit`` parked outbox rows, parked longest first; they stay parked."""
 
-    async def read(engine: AsyncEngine) -> list[queries.ParkedOutboxRow]:
+    async def read(engine: AsyncEngine) -> list[inspection.ParkedOutboxRow]:
         async with engine.connect() as conn:
-            return await queries.parked_outbox(conn, limit)
+            return await inspection.parked_outbox(conn, limit)
 
     return await _with_engine(settings, read)
 
@@ -207,7 +207,7 @@ async def parked_outbox(settings: Settings, *, limit: int) -> list[queries.Parke
 class Retried:
     """Rows moved back into the outbox, and the requested ids that were not parked."""
 
-    rows: list[queries.RetriedOutboxRow]
+    rows: list[inspection.RetriedOutboxRow]
     not_parked: list[int]
 
 
@@ -221,9 +221,9 @@ async def retry_parked_outbox(settings: Settings, ids: Sequence[int] | None) -> 
     (unless ``outbox_notify`` is off; they poll anyway).
     """
 
-    async def move(engine: AsyncEngine) -> list[queries.RetriedOutboxRow]:
+    async def move(engine: AsyncEngine) -> list[inspection.RetriedOutboxRow]:
         async with engine.begin() as conn:
-            return await queries.retry_parked_outbox(conn, ids, notify=settings.outbox_notify)
+            return await inspection.retry_parked_outbox(conn, ids, notify=settings.outbox_notify)
 
     rows = await _with_engine(settings, move)
     moved = {row.parked_id for row in rows}

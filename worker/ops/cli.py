@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from aio_pika.abc import AbstractRobustConnection
 
 if TYPE_CHECKING:
-    from worker.dead_letters import Outcome, Parked, Selection
+    from worker.transport.dead_letters import Outcome, Parked, Selection
 
 from worker import logs
 from worker.errors import ConfigurationError
-from worker.plugins import ENTRY_POINT_GROUP, load_routers
+from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import (
     FIELDS,
     Settings,
@@ -353,7 +353,7 @@ def _load_settings(args: argparse.Namespace) -> Settings:
 
 
 def _run(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import runner
+    from worker.ops import runner
 
     router = load_routers(settings.handlers)
     if not router.handlers():
@@ -367,7 +367,7 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _relay(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import runner
+    from worker.ops import runner
 
     asyncio.run(_until_signalled(lambda stop: runner.run_relay(settings, stop)))
     return 0
@@ -383,8 +383,8 @@ async def _until_signalled(serve: Callable[[asyncio.Event], Awaitable[object]]) 
 
 
 def _gc(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import janitor
     from worker.database import one_connection
+    from worker.ops import janitor
 
     async def sweep() -> janitor.Sweep | None:
         async with one_connection(settings, "worker-gc") as engine:
@@ -402,15 +402,16 @@ def _gc(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _workflows(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import admin, queries
     from worker.database import one_connection
+    from worker.ops import admin
+    from worker.sql import inspection
 
-    async def fetch() -> list[queries.WorkflowState]:
+    async def fetch() -> list[inspection.WorkflowState]:
         async with (
             one_connection(settings, admin.APPLICATION_NAME) as engine,
             engine.connect() as conn,
         ):
-            return await queries.in_progress_workflows(conn, args.limit)
+            return await inspection.in_progress_workflows(conn, args.limit)
 
     states = asyncio.run(fetch())
     for state in states:
@@ -440,13 +441,13 @@ def _dlq_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def _dlq_selection(args: argparse.Namespace) -> Selection:
-    from worker.dead_letters import Selection
+    from worker.transport.dead_letters import Selection
 
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
 
 
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import dead_letters
+    from worker.transport import dead_letters
 
     limit = None if args.all else args.limit
 
@@ -468,8 +469,8 @@ def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import dead_letters
     from worker.database import one_connection
+    from worker.transport import dead_letters
 
     async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
         async with one_connection(settings, "worker-dlq") as engine:
@@ -495,7 +496,7 @@ def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import dead_letters
+    from worker.transport import dead_letters
 
     selection = _dlq_selection(args)
     if not selection.filters and not args.all:
@@ -532,7 +533,7 @@ async def _dlq_report(outcomes: AsyncGenerator[Outcome, None], done: str) -> tup
 async def _with_broker(
     settings: Settings, action: Callable[[AbstractRobustConnection], Awaitable[_T]]
 ) -> _T:
-    from worker.runner import connect_broker
+    from worker.ops.runner import connect_broker
 
     connection = await connect_broker(settings, name="worker-dlq")
     try:
@@ -550,7 +551,7 @@ def _describe(message: Parked) -> str:
 
 
 def _status(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import admin
+    from worker.ops import admin
 
     def lines_of(status: admin.Status) -> list[tuple[str, str]]:
         lines: list[tuple[str, str]] = []
@@ -596,7 +597,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import admin
+    from worker.ops import admin
 
     rows = asyncio.run(admin.parked_outbox(settings, limit=args.limit))
     for row in rows:
@@ -615,7 +616,7 @@ def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
-    from worker import admin
+    from worker.ops import admin
 
     retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
     for row in retried.rows:
@@ -629,7 +630,7 @@ def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
 def _verify(settings: Settings, args: argparse.Namespace) -> int:
     import json
 
-    from worker import verify
+    from worker.ops import verify
 
     router = load_routers(settings.handlers)
     invariants = verify.load_invariants(settings.handlers)
@@ -662,7 +663,7 @@ def _health(settings: Settings, args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from worker.metrics import local_url
+    from worker.ops.metrics import local_url
 
     if settings.http_port == 0:
         raise ConfigurationError("http_port is 0: this process serves no /healthz")

@@ -25,13 +25,13 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import queries
-from worker.codec import to_jsonable
-from worker.context import Context
-from worker.envelope import Envelope
+from worker.core.codec import to_jsonable
+from worker.core.context import Context
+from worker.core.envelope import Envelope
+from worker.core.unit_of_work import Outcome, claim, duplicate, process
 from worker.errors import HandlerFailed, Rejected, Retryable, is_transient
 from worker.faults import crash_point
-from worker.unit_of_work import Outcome, claim, duplicate, process
+from worker.sql import inbox, outbox
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,14 @@ class Workflow:
             return self.outputs[name]
         handler = self.envelope.handler.name
         async with self.engine.connect() as conn, conn.begin():
-            if not await queries.hold_workflow(conn, handler, self.key, self.owner):
+            if not await inbox.hold_workflow(conn, handler, self.key, self.owner):
                 raise WorkflowBusy(f"workflow {self.key!r} was taken over by another delivery")
             ctx = Context(conn, self.envelope, self.default_exchange, step=name)
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()
-                await queries.append_outbox(conn, ctx.outbox, notify=self.notify)
-                await queries.record_step(
+                await outbox.append_outbox(conn, ctx.outbox, notify=self.notify)
+                await inbox.record_step(
                     conn,
                     handler,
                     self.key,
@@ -141,7 +141,7 @@ async def run(
         if existing is not None:
             if existing.status != "in_progress":
                 return duplicate(existing)
-            taken = await queries.take_over_workflow(
+            taken = await inbox.take_over_workflow(
                 conn, handler.name, envelope.key, owner=owner, lease=lease
             )
             if not taken:
@@ -150,7 +150,7 @@ async def run(
         outputs = (
             {}
             if existing is None
-            else await queries.workflow_outputs(conn, handler.name, envelope.key)
+            else await inbox.workflow_outputs(conn, handler.name, envelope.key)
         )
     if outputs:
         log.info(
@@ -174,13 +174,13 @@ async def run(
                 raise
             raise HandlerFailed(f"{type(exc).__name__}: {exc}") from exc
         async with engine.connect() as conn, conn.begin():
-            if not await queries.hold_workflow(conn, handler.name, envelope.key, owner):
+            if not await inbox.hold_workflow(conn, handler.name, envelope.key, owner):
                 raise WorkflowBusy(f"workflow {envelope.key!r} was taken over by another delivery")
-            await queries.complete_keys(conn, [(handler.name, envelope.key, result)])
+            await inbox.complete_keys(conn, [(handler.name, envelope.key, result)])
     except BaseException:
         with contextlib.suppress(Exception):
             async with engine.connect() as conn, conn.begin():
-                await queries.release_workflow(conn, handler.name, envelope.key, owner)
+                await inbox.release_workflow(conn, handler.name, envelope.key, owner)
         raise
     return Outcome.PROCESSED
 

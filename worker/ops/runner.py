@@ -20,13 +20,13 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import schema
 from worker.backoff import while_starting
-from worker.consumer import Consumer
+from worker.core.router import Router
 from worker.database import check_durable_commits, create_engine
-from worker.janitor import Janitor
-from worker.metrics import Metrics, Monitor
-from worker.relay import Relay
-from worker.router import Router
+from worker.ops.janitor import Janitor
+from worker.ops.metrics import Metrics, Monitor
 from worker.settings import Settings, format_duration, redact
+from worker.transport.consumer import Consumer
+from worker.transport.relay import Relay
 
 log = logging.getLogger(__name__)
 

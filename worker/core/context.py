@@ -15,8 +15,8 @@ from typing import Any, overload
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
 from worker import tracing
-from worker.codec import JSON_CONTENT_TYPE, encode_json
-from worker.envelope import Envelope
+from worker.core.codec import JSON_CONTENT_TYPE, encode_json
+from worker.core.envelope import Envelope
 
 
 @dataclass(frozen=True)

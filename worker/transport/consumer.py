@@ -45,27 +45,18 @@ from aio_pika.abc import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import (
-    backoff,
-    database,
-    dead_letters,
-    logs,
-    queries,
-    schema,
-    tracing,
-    unit_of_work,
-    workflows,
-)
-from worker.acks import Settlements
+from worker import backoff, database, logs, schema, tracing
 from worker.backoff import first
-from worker.dead_letters import Failure
-from worker.envelope import (
+from worker.core import unit_of_work, workflows
+from worker.core.envelope import (
     IDEMPOTENCY_KEY_HEADER,
     ROUTING_KEY_HEADER,
     Delivery,
     Envelope,
     open_envelope,
 )
+from worker.core.router import Router
+from worker.core.unit_of_work import Outcome
 from worker.errors import (
     CheckFailed,
     Fault,
@@ -81,11 +72,13 @@ from worker.faults import (
     CONSUMER_DRAINING,
     crash_point,
 )
-from worker.metrics import Metrics
-from worker.router import Router
+from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
-from worker.topology import Topology, declare_topology
-from worker.unit_of_work import Outcome
+from worker.sql import inbox
+from worker.transport import dead_letters
+from worker.transport.acks import Settlements
+from worker.transport.dead_letters import Failure
+from worker.transport.topology import Topology, declare_topology
 
 log = logging.getLogger(__name__)
 
@@ -693,7 +686,7 @@ class Consumer:
 
     async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
         async with self.engine.begin() as conn:
-            await queries.record_failure(
+            await inbox.record_failure(
                 conn, envelope, error=failure.error, attempts=failure.attempts
             )
 

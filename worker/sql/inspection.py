@@ -1,0 +1,289 @@
+"""Read-mostly statements for operators: metrics' counts, the admin and verify views,
+and putting parked outbox rows back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    delete,
+    func,
+    or_,
+    select,
+)
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from worker.sql.inbox import interval
+from worker.sql.outbox import lock_ordering_keys
+from worker.sql.tables import inbox, outbox, outbox_parked
+
+
+@dataclass(frozen=True)
+class WorkflowState:
+    """An in-progress workflow, as ``worker workflows`` shows it."""
+
+    handler: str
+    key: str
+    recovery_point: str | None
+    owner: str | None
+    lease_until: datetime | None
+    attempts: int
+    created_at: datetime
+    updated_at: datetime
+
+
+async def in_progress_workflows(conn: AsyncConnection, limit: int) -> list[WorkflowState]:
+    """Workflows under way or waiting to be resumed, least recently advanced first."""
+    columns = [inbox.c[name] for name in WorkflowState.__dataclass_fields__]
+    stmt = (
+        select(*columns)
+        .where(inbox.c.status == "in_progress")
+        .order_by(inbox.c.updated_at)
+        .limit(limit)
+    )
+    return [WorkflowState(**row._asdict()) for row in await conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class OutboxStats:
+    """The outbox at a glance: rows waiting, how long the oldest has waited, rows backing off
+    after a failed publish, rows parked."""
+
+    backlog: int
+    oldest_age_seconds: float
+    waiting_for_retry: int
+    parked: int
+
+
+async def outbox_stats(conn: AsyncConnection) -> OutboxStats:
+    """Rows waiting to be published (due or backing off), the age in seconds of the oldest (0 when
+    there is none), those backing off (``available_at`` still ahead) and the rows in
+    ``outbox_parked``, in one statement.
+
+    One pass over each table: cheap while the relay keeps up (both hold few rows), a scan of the
+    backlog when it does not.
+    """
+    waiting = (
+        select(
+            func.count().label("rows"),
+            func.min(outbox.c.created_at).label("oldest"),
+            func.count().filter(outbox.c.available_at > func.now()).label("backing_off"),
+        )
+        .select_from(outbox)
+        .subquery()
+    )
+    age = func.greatest(func.extract("epoch", func.now() - waiting.c.oldest), 0)
+    parked = select(func.count()).select_from(outbox_parked).scalar_subquery()
+    row = (
+        await conn.execute(
+            select(waiting.c.rows, func.coalesce(age, 0), waiting.c.backing_off, parked)
+        )
+    ).one()
+    return OutboxStats(
+        backlog=int(row[0]),
+        oldest_age_seconds=float(row[1]),
+        waiting_for_retry=int(row[2]),
+        parked=int(row[3]),
+    )
+
+
+async def inbox_counts(conn: AsyncConnection) -> dict[str, int]:
+    """Inbox keys by status, exactly; a status without keys is absent.
+
+    ``GROUP BY status`` reads the whole inbox (no index covers ``status``): on an inbox of
+    millions of keys it takes seconds and much I/O, so call it rarely. ``pg_class.reltuples``
+    would be free but only estimates the total, and not per status, until the next ANALYZE.
+    """
+    stmt = select(inbox.c.status, func.count()).group_by(inbox.c.status)
+    return {status: int(count) for status, count in await conn.execute(stmt)}
+
+
+@dataclass(frozen=True)
+class ParkedOutboxRow:
+    """A row the relay gave up on, as ``worker outbox list`` shows it (without its body)."""
+
+    id: int
+    message_id: uuid.UUID
+    exchange: str
+    routing_key: str
+    attempts: int
+    last_error: str | None
+    created_at: datetime
+    parked_at: datetime
+    ordering_key: str | None
+
+
+async def parked_outbox(conn: AsyncConnection, limit: int) -> list[ParkedOutboxRow]:
+    """Up to ``limit`` rows of ``outbox_parked``, parked longest first."""
+    columns = [outbox_parked.c[name] for name in ParkedOutboxRow.__dataclass_fields__]
+    stmt = select(*columns).order_by(outbox_parked.c.parked_at, outbox_parked.c.id).limit(limit)
+    return [ParkedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class RetriedOutboxRow:
+    """A parked row moved back into the outbox: its parked (old) id and its new outbox id."""
+
+    parked_id: int
+    id: int
+    message_id: uuid.UUID
+
+
+async def retry_parked_outbox(
+    conn: AsyncConnection, ids: Sequence[int] | None, *, notify: bool = False
+) -> list[RetriedOutboxRow]:
+    """Move parked rows (those in ``ids``, or all when None) back into ``outbox`` in one
+    statement: ``DELETE ... RETURNING`` feeding an ``INSERT``, the reverse of ``fail_outbox``.
+
+    A moved row keeps its ``message_id`` (consumers deduplicate a copy they already got), body,
+    headers, ``created_at`` and ``last_error`` (why it was parked, until a new failure replaces
+    it); ``attempts`` restarts at 0 and ``available_at`` is now, so the relay gives it a full
+    ``relay_max_attempts`` again, at once. ``outbox.id`` is an identity column: the row gets a new
+    id, after every row already in the outbox. Rows moved together keep their relative order.
+
+    The ordering keys' advisory locks are taken first (sorted, as ``append_outbox`` does), so a
+    moved row is placed among its key's rows as if it were emitted at this commit: its original
+    place, before the key's newer rows, is not restored. With ``notify``, relays are woken at
+    commit.
+    """
+    if ids is not None and not ids:
+        return []
+    which = [] if ids is None else [outbox_parked.c.id.in_(list(ids))]
+    keys = (
+        select(outbox_parked.c.ordering_key)
+        .distinct()
+        .where(*which, outbox_parked.c.ordering_key.is_not(None))
+    )
+    await lock_ordering_keys(conn, (key for (key,) in await conn.execute(keys)), notify=notify)
+    # A row parked by a relay after the keys were read is moved too, its key perhaps unlocked:
+    # it then lands among its key's rows near, not exactly at, this commit.
+    columns = [c.name for c in outbox_parked.c if c.name not in {"id", "attempts", "parked_at"}]
+    moved = (
+        delete(outbox_parked)
+        .where(*which)
+        .returning(outbox_parked.c.id, *(outbox_parked.c[name] for name in columns))
+        .cte("moved")
+    )
+    inserted = (
+        insert(outbox)
+        .from_select(columns, select(*(moved.c[name] for name in columns)).order_by(moved.c.id))
+        .returning(outbox.c.id, outbox.c.message_id)
+        .cte("inserted")
+    )
+    stmt = (
+        select(moved.c.id.label("parked_id"), inserted.c.id, inserted.c.message_id)
+        .join_from(moved, inserted, moved.c.message_id == inserted.c.message_id)
+        .order_by(inserted.c.id)
+    )
+    return [RetriedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+
+
+@dataclass(frozen=True)
+class InProgressKey:
+    """An in-progress inbox key that ``worker verify`` names as stuck."""
+
+    handler: str
+    key: str
+    recovery_point: str | None
+    lease_until: datetime | None
+    updated_at: datetime
+
+
+_IN_PROGRESS_KEY_COLUMNS = [inbox.c[name] for name in InProgressKey.__dataclass_fields__]
+
+
+async def _in_progress_keys(
+    conn: AsyncConnection, limit: int, *conditions: Any
+) -> tuple[int, list[InProgressKey]]:
+    """How many in-progress keys match ``conditions``, and the ``limit`` least recently updated."""
+    stmt = (
+        select(*_IN_PROGRESS_KEY_COLUMNS, func.count().over().label("total"))
+        .where(inbox.c.status == "in_progress", *conditions)
+        .order_by(inbox.c.updated_at, inbox.c.handler, inbox.c.key)
+        .limit(limit)
+    )
+    rows = (await conn.execute(stmt)).all()
+    keys = [InProgressKey(*row[: len(_IN_PROGRESS_KEY_COLUMNS)]) for row in rows]
+    return (int(rows[0].total) if rows else 0), keys
+
+
+async def stuck_unit_of_work_keys(
+    conn: AsyncConnection, handlers: Sequence[str], limit: int
+) -> tuple[int, list[InProgressKey]]:
+    """In-progress keys no workflow holds: those of the (non-workflow) ``handlers``, and any
+    without a lease (only a workflow's claim sets one). A unit of work never commits its key in
+    progress, so each of these is stuck. Returns the count and the ``limit`` oldest."""
+    condition = or_(inbox.c.lease_until.is_(None), inbox.c.handler.in_(list(handlers)))
+    return await _in_progress_keys(conn, limit, condition)
+
+
+async def expired_workflows(
+    conn: AsyncConnection, handlers: Sequence[str], *, expired_for: float, limit: int
+) -> tuple[int, list[InProgressKey]]:
+    """In-progress workflows (keys with a lease, not of the non-workflow ``handlers``) whose lease
+    expired more than ``expired_for`` seconds ago: nobody has resumed them since. Returns the
+    count and the ``limit`` oldest."""
+    return await _in_progress_keys(
+        conn,
+        limit,
+        inbox.c.lease_until.is_not(None),
+        inbox.c.handler.not_in(list(handlers)),
+        inbox.c.lease_until < func.now() - interval(expired_for),
+    )
+
+
+async def in_progress_count(conn: AsyncConnection) -> int:
+    """Inbox keys in progress (read from the partial index of in-progress keys)."""
+    stmt = select(func.count()).select_from(inbox).where(inbox.c.status == "in_progress")
+    return int((await conn.execute(stmt)).scalar_one())
+
+
+@dataclass(frozen=True)
+class LateOutboxRow:
+    """An outbox row still unpublished after the age ``worker verify`` allows."""
+
+    id: int
+    message_id: uuid.UUID
+    routing_key: str
+    attempts: int
+    last_error: str | None
+    age_seconds: float
+
+
+async def outbox_older_than(
+    conn: AsyncConnection, age: float, limit: int
+) -> tuple[int, list[LateOutboxRow]]:
+    """Outbox rows created more than ``age`` seconds ago: how many, and the ``limit`` oldest."""
+    stmt = (
+        select(
+            outbox.c.id,
+            outbox.c.message_id,
+            outbox.c.routing_key,
+            outbox.c.attempts,
+            outbox.c.last_error,
+            func.extract("epoch", func.now() - outbox.c.created_at).label("age_seconds"),
+            func.count().over().label("total"),
+        )
+        .where(outbox.c.created_at < func.now() - interval(age))
+        .order_by(outbox.c.created_at, outbox.c.id)
+        .limit(limit)
+    )
+    rows = (await conn.execute(stmt)).all()
+    late = [
+        LateOutboxRow(
+            row.id,
+            row.message_id,
+            row.routing_key,
+            row.attempts,
+            row.last_error,
+            float(row.age_seconds),
+        )
+        for row in rows
+    ]
+    return (int(rows[0].total) if rows else 0), late

@@ -1,0 +1,199 @@
+"""The outbox's statements: appending events in the caller's transaction (ordering-key
+locks, NOTIFY), and claiming, deleting or failing rows for a relay.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    Text,
+    bindparam,
+    delete,
+    func,
+    select,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from worker.core.codec import to_jsonable
+from worker.core.context import OutboxMessage
+from worker.sql.tables import outbox, outbox_parked
+
+OUTBOX_CHANNEL = "worker_outbox"
+"""The LISTEN/NOTIFY channel relays wait on; a notification is only a hint to look now."""
+
+ORDERING_LOCK_CLASS = 7_262_001
+"""First key of the transaction-scoped advisory locks that serialize an ordering key's rows."""
+
+RETRY_DELAY_CAP_SECONDS = 300.0
+"""A failed outbox row is retried at least this often, however many attempts it has had."""
+
+
+async def lock_ordering_keys(
+    conn: AsyncConnection, ordering_keys: Iterable[str], *, notify: bool
+) -> None:
+    """Take the ordering keys' advisory locks, held until commit, in sorted order (so two
+    transactions cannot deadlock on them), and with ``notify`` queue one NOTIFY for relays; one
+    round trip, of one statement text whatever the keys."""
+    keys = sorted(ordering_keys)
+    if not keys and not notify:
+        return
+    locked = func.unnest(bindparam("keys", type_=ARRAY(Text))).table_valued("key").render_derived()
+    lock = func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(locked.c.key))
+    stmt = select(func.count(lock)).select_from(locked)  # locks taken in the array's order
+    if notify:
+        stmt = stmt.add_columns(func.pg_notify(OUTBOX_CHANNEL, ""))
+    await conn.execute(stmt, {"keys": keys})
+
+
+async def append_outbox(
+    conn: AsyncConnection, messages: Sequence[OutboxMessage], *, notify: bool = False
+) -> None:
+    """Insert the events a handler recorded, in the order it recorded them, in one statement.
+
+    For each ordering key among them, an advisory lock held until commit is taken first (keys
+    sorted, so two transactions cannot deadlock on them). Rows of one ordering key therefore get
+    their ids in commit order, and a row is only ever visible after every earlier row of its key.
+    With ``notify``, one NOTIFY on ``OUTBOX_CHANNEL`` is delivered to listening relays at commit.
+    """
+    if not messages:
+        return
+    ordering_keys = {m.ordering_key for m in messages if m.ordering_key is not None}
+    await lock_ordering_keys(conn, ordering_keys, notify=notify)
+    await conn.execute(
+        insert(outbox),
+        [
+            {
+                "message_id": m.message_id,
+                "exchange": m.exchange,
+                "routing_key": m.routing_key,
+                "body": m.body,
+                "content_type": m.content_type,
+                "headers": to_jsonable(m.headers),
+                "correlation_id": m.correlation_id,
+                "causation_id": m.causation_id,
+                "ordering_key": m.ordering_key,
+            }
+            for m in messages
+        ],
+    )
+
+
+@dataclass(frozen=True)
+class OutboxRow:
+    """An outbox row claimed by a relay: everything needed to publish it."""
+
+    id: int
+    message_id: uuid.UUID
+    exchange: str
+    routing_key: str
+    body: bytes
+    content_type: str
+    headers: dict[str, Any]
+    correlation_id: str | None
+    causation_id: str | None
+    ordering_key: str | None
+    attempts: int
+    created_at: datetime
+
+
+_OUTBOX_ROW_COLUMNS = [outbox.c[name] for name in OutboxRow.__dataclass_fields__]
+
+
+async def claim_outbox(conn: AsyncConnection, limit: int) -> list[OutboxRow]:
+    """Lock up to ``limit`` due rows in id order, skipping rows other relays hold.
+
+    Of an ordering key's rows only an unbroken run from the key's oldest row is returned: a row
+    whose older sibling is held by another relay, waiting for a retry, or not claimed here stays
+    locked but unreturned, so no relay can publish a key's rows out of order.
+    """
+    stmt = (
+        select(*_OUTBOX_ROW_COLUMNS)
+        .where(outbox.c.available_at <= func.now())
+        .order_by(outbox.c.id)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+    )
+    rows = [
+        OutboxRow(**{**row._asdict(), "body": bytes(row.body)}) for row in await conn.execute(stmt)
+    ]
+    last_of_key: dict[str, int] = {}
+    for row in rows:
+        if row.ordering_key is not None:
+            last_of_key[row.ordering_key] = row.id
+    if not last_of_key:
+        return rows
+    older = (
+        select(outbox.c.id, outbox.c.ordering_key)
+        .where(
+            outbox.c.ordering_key.in_(list(last_of_key)),
+            outbox.c.id <= max(last_of_key.values()),
+        )
+        .order_by(outbox.c.id)
+    )
+    claimed = {row.id for row in rows}
+    first_gap: dict[str, int] = {}
+    for row_id, key in await conn.execute(older):
+        if row_id not in claimed and key not in first_gap:
+            first_gap[key] = row_id
+    return [
+        row
+        for row in rows
+        if row.ordering_key is None or row.id < first_gap.get(row.ordering_key, row.id + 1)
+    ]
+
+
+async def delete_outbox(conn: AsyncConnection, ids: Sequence[int]) -> None:
+    """Delete published rows (in the transaction that claimed them)."""
+    if ids:
+        await conn.execute(delete(outbox).where(outbox.c.id.in_(list(ids))))
+
+
+async def fail_outbox(
+    conn: AsyncConnection,
+    errors: Mapping[int, str],
+    *,
+    max_attempts: int,
+    retry_delay: float,
+) -> list[int]:
+    """Count a failed publish of each row in ``errors`` and move it out by exponential backoff.
+
+    The n-th failure makes a row wait ``retry_delay * 2**(n-1)`` seconds (at most
+    ``RETRY_DELAY_CAP_SECONDS``); the ``max_attempts``-th moves it to ``outbox_parked``. Returns
+    the ids of the rows parked.
+    """
+    if not errors:
+        return []
+    delay = func.least(
+        RETRY_DELAY_CAP_SECONDS,
+        bindparam("retry_delay") * func.power(2, outbox.c.attempts),
+    )
+    await conn.execute(
+        update(outbox)
+        .where(outbox.c.id == bindparam("row_id"))
+        .values(
+            attempts=outbox.c.attempts + 1,
+            last_error=bindparam("error"),
+            available_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, delay),
+        ),
+        [{"row_id": i, "error": e, "retry_delay": retry_delay} for i, e in errors.items()],
+    )
+    columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
+    moved = (
+        delete(outbox)
+        .where(outbox.c.id.in_(list(errors)), outbox.c.attempts >= max_attempts)
+        .returning(*(outbox.c[name] for name in columns))
+        .cte("moved")
+    )
+    park = (
+        insert(outbox_parked)
+        .from_select(columns, select(*(moved.c[name] for name in columns)))
+        .returning(outbox_parked.c.id)
+    )
+    return [row_id for (row_id,) in await conn.execute(park)]
