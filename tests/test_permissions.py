@@ -41,6 +41,7 @@ from worker import Context, Permanent, Retryable, Router
 from worker.ops.permissions import DEFAULT_EXCHANGE, producer_permissions, worker_permissions
 from worker.settings import Settings
 from worker.transport import dead_letters as dlq
+from worker.transport.connection import connect
 from worker.transport.topology import declare_topology, queue_names
 
 DEFINITIONS = Path(__file__).resolve().parent.parent / "deploy" / "rabbitmq" / "definitions.json"
@@ -367,7 +368,7 @@ async def test_a_broker_started_from_deploy_has_the_users_and_the_size_limit(
 
         # The guest user does not exist; the others log in with the demo passwords
         with pytest.raises(ProbableAuthenticationError):
-            await aio_pika.connect(url.format("guest"))
+            await connect(url.format("guest"))
         admin = await aio_pika.connect(url.format("admin"))
         worker = await aio_pika.connect(url.format("worker"))
         producer = await aio_pika.connect(url.format("producer"))

@@ -7,6 +7,7 @@ SQL parameters (business data) never reach a recorded error."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import ssl
 import subprocess
@@ -40,6 +41,7 @@ from worker.errors import (
 )
 from worker.settings import Settings
 from worker.testing import scratch_database
+from worker.transport.connection import connect
 from worker.transport.dead_letters import ERROR
 
 # The database URL's TLS options, mapped without a server
@@ -387,14 +389,14 @@ def test_a_wrong_broker_password_stops_a_command_at_once() -> None:
 
 async def _connect(url: str) -> tuple[AbstractRobustConnection, Counted]:
     """Connect as the worker does at start (``while_starting``); with the attempts counted."""
-    attempt = Counted(aio_pika.connect_robust)
+    attempt = Counted(connect)
     connection: AbstractRobustConnection = await backoff.while_starting()(attempt, url)
     return connection, attempt
 
 
 async def _refused_broker(url: str) -> tuple[str, int]:
     """The refusal connecting to ``url`` raised at start, and the attempts it took."""
-    attempt = Counted(aio_pika.connect_robust)
+    attempt = Counted(connect)
     with pytest.raises(AccessRefused) as refused:
         await backoff.while_starting()(attempt, url)
     return str(refused.value), attempt.calls
@@ -509,3 +511,18 @@ async def test_constraint_violations_record_no_sql_parameters(
     for error in [*recorded.values(), *map(str, copies.values())]:
         for value in (SECRET_ID, SECRET_NOTE, "4111"):
             assert value not in error, error
+
+
+async def test_a_failed_first_connect_leaves_no_open_connection_behind() -> None:
+    # Given nothing listens on the port; when the worker's one attempt to connect fails
+    with pytest.raises(ConnectionError):
+        await connect("amqp://guest:guest@127.0.0.1:1/")
+    # Then the half-made connection is closed already: the garbage collector, which may run in
+    # a thread with no event loop, finds nothing to close
+    gc.collect()
+    left = [
+        o
+        for o in gc.get_objects()
+        if isinstance(o, aio_pika.RobustConnection) and o.url.port == 1 and not o.is_closed
+    ]
+    assert left == []

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, TypeVar
 
-import aio_pika
 from aio_pika.abc import AbstractConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -30,6 +29,7 @@ from worker.logs import describe_error
 from worker.settings import Settings, format_duration, redact
 from worker.sql import inspection
 from worker.sql.tables import INBOX_STATUSES
+from worker.transport.connection import connect
 from worker.transport.topology import worker_queues
 
 STATUS_TIMEOUT = 10.0
@@ -151,11 +151,7 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
         return await _with_engine(settings, database_status)
 
     async def read_broker() -> list[QueueStatus]:
-        connection = await aio_pika.connect(
-            settings.amqp_url,
-            timeout=answer_within,
-            client_properties={"connection_name": APPLICATION_NAME},
-        )
+        connection = await connect(settings.amqp_url, name=APPLICATION_NAME, within=answer_within)
         async with connection:
             return await queue_status(connection, settings)
 

@@ -14,7 +14,6 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -25,6 +24,7 @@ from worker.database import check_durable_commits, create_engine
 from worker.ops.janitor import Janitor
 from worker.ops.metrics import Metrics, Monitor
 from worker.settings import Settings, format_duration, redact
+from worker.transport.connection import connect
 from worker.transport.consumer import Consumer
 from worker.transport.relay import Relay
 
@@ -42,7 +42,7 @@ class Component(Protocol):
 async def connect_broker(settings: Settings, *, name: str = "worker") -> AbstractRobustConnection:
     """A robust broker connection, retried with backoff while the broker starts."""
     connection: AbstractRobustConnection = await while_starting(log)(
-        aio_pika.connect_robust, settings.amqp_url, client_properties={"connection_name": name}
+        connect, settings.amqp_url, name=name
     )
     return connection
 

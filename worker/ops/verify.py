@@ -27,7 +27,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import aio_pika
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -39,6 +38,7 @@ from worker.ops import admin
 from worker.ops.plugins import installed_targets
 from worker.settings import Settings, format_duration, redact
 from worker.sql import inspection
+from worker.transport.connection import connect
 from worker.transport.dead_letters import list_parked
 
 APPLICATION_NAME = "worker-verify"
@@ -135,10 +135,8 @@ async def check_deployment(
             failure = f"cannot read PostgreSQL at {redact(settings.database_url)}"
             unreachable.append(Check("database", False, _unreachable(failure, exc, answer_within)))
         try:
-            connection = await aio_pika.connect_robust(
-                settings.amqp_url,
-                timeout=answer_within,
-                client_properties={"connection_name": APPLICATION_NAME},
+            connection = await connect(
+                settings.amqp_url, name=APPLICATION_NAME, within=answer_within
             )
         except Exception as exc:
             failure = f"cannot reach RabbitMQ at {redact(settings.amqp_url)}"
