@@ -55,8 +55,8 @@ from worker.core.envelope import (
     Envelope,
     open_envelope,
 )
+from worker.core.outcomes import Outcome
 from worker.core.router import Router
-from worker.core.unit_of_work import Outcome
 from worker.errors import (
     CheckFailed,
     Fault,
