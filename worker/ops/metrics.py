@@ -32,7 +32,8 @@ import ipaddress
 import json
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping
+from collections import Counter as Tallies
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Literal
@@ -46,27 +47,19 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, Metric
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import database
 from worker.backoff import first
+from worker.core.outcomes import Outcome
 from worker.database import PROBE_TIMEOUT
-from worker.errors import PauseReason, is_transient
+from worker.errors import PauseReason, Reason, is_transient
 from worker.settings import Settings, format_duration
 from worker.sql import inspection
 from worker.sql.tables import INBOX_STATUSES
 
 log = logging.getLogger(__name__)
-
-OUTCOMES = (
-    "processed",
-    "duplicate",
-    "duplicate_of_failed",
-    "retry_scheduled",
-    "dead_lettered",
-    "requeued",
-)
-"""How a delivery ended: the ``outcome`` label of ``worker_messages_total``."""
 
 RELAY_RESULTS = ("published", "failed", "parked")
 """The ``result`` label of ``worker_relay_messages_total``."""
@@ -87,29 +80,63 @@ REFUSALS_LOG_INTERVAL = 60.0
 """Seconds between two warnings that connections are being refused."""
 
 
+class Tally:
+    """How deliveries ended, each counted once, in one place: ``record``.
+
+    Invariant: ``/metrics`` (``worker_messages_total`` by handler and outcome,
+    ``worker_dead_letters_total`` by handler and reason) and ``stats`` (what the stats log line
+    and tests read: ``processed``, ``dead_lettered``, ``dead_lettered:<reason>``, …) are both
+    written by the one ``record`` call a delivery's end makes, so they cannot disagree. ``stats``
+    is the process's shared counter (the relay and the janitor add their own names to it).
+    """
+
+    def __init__(self, stats: Tallies[str] | None = None) -> None:
+        self.stats: Tallies[str] = Tallies() if stats is None else stats
+        self._ends: Tallies[tuple[str, Outcome, Reason | None]] = Tallies()
+
+    def record(self, handler: str | None, outcome: Outcome, reason: Reason | None = None) -> None:
+        """Count one delivery of ``handler`` (None: none was found) that ended with ``outcome``;
+        a dead letter, and only a dead letter, has a ``reason``."""
+        if (outcome is Outcome.DEAD_LETTERED) != (reason is not None):
+            raise ValueError(f"a dead letter, and only a dead letter, has a reason: {outcome}")
+        self._ends[(handler or "", outcome, reason)] += 1
+        self.stats[outcome.value] += 1
+        if reason is not None:
+            self.stats[f"{outcome.value}:{reason.value}"] += 1
+
+    def collect(self) -> Iterable[Metric]:
+        """The two counters, as a Prometheus collector (``CollectorRegistry.register``)."""
+        messages = CounterMetricFamily(
+            "worker_messages_total", "Deliveries by how they ended.", labels=["handler", "outcome"]
+        )
+        dead_letters = CounterMetricFamily(
+            "worker_dead_letters_total",
+            "Deliveries parked in the dead-letter queue, by reason (x-worker-reason).",
+            labels=["handler", "reason"],
+        )
+        by_outcome: Tallies[tuple[str, Outcome]] = Tallies()
+        for (handler, outcome, reason), count in self._ends.items():
+            by_outcome[(handler, outcome)] += count
+            if reason is not None:
+                dead_letters.add_metric([handler, reason.value], count)
+        for (handler, outcome), count in by_outcome.items():
+            messages.add_metric([handler, outcome.value], count)
+        return [messages, dead_letters]
+
+
 class Metrics:
     """The worker's Prometheus metrics, in a registry of their own (``registry``).
 
-    A delivery ends in exactly one call: ``message`` for every outcome but a dead letter, and
-    ``dead_letter`` for that one. ``handler`` is the handler's name, or None when none was found
-    (the label is then empty).
+    How deliveries ended is counted in ``tally`` (``Tally.record``), which the registry reads;
+    ``stats`` given, the tally counts into it too. ``handler`` is the handler's name, or None
+    when none was found (the label is then empty).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stats: Tallies[str] | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.messages = Counter(
-            "worker_messages_total",
-            "Deliveries by how they ended.",
-            ["handler", "outcome"],
-            registry=r,
-        )
-        self.dead_letters = Counter(
-            "worker_dead_letters_total",
-            "Deliveries parked in the dead-letter queue, by reason (x-worker-reason).",
-            ["handler", "reason"],
-            registry=r,
-        )
+        self.tally = Tally(stats)
+        r.register(self.tally)
         self.transaction_seconds = Histogram(
             "worker_transaction_seconds",
             "Duration of a unit of work (one transaction, or a workflow's run), failed ones too.",
@@ -182,18 +209,17 @@ class Metrics:
             self.inbox_rows.labels(status)
         self.paused(None)
 
-    def message(self, handler: str | None, outcome: str) -> None:
-        """Count a delivery that ended with ``outcome`` (one of ``OUTCOMES``, not a dead letter)."""
-        if outcome == "dead_lettered":
+    def message(self, handler: str | None, outcome: Outcome | str) -> None:
+        """Count a delivery that ended with ``outcome`` (an ``Outcome``, not a dead letter)."""
+        if outcome not in set(Outcome):
+            raise ValueError(f"unknown outcome {outcome!r}; expected one of {list(Outcome)}")
+        if outcome == Outcome.DEAD_LETTERED:
             raise ValueError("count dead letters with dead_letter(handler, reason)")
-        if outcome not in OUTCOMES:
-            raise ValueError(f"unknown outcome {outcome!r}; expected one of {OUTCOMES}")
-        self.messages.labels(handler or "", outcome).inc()
+        self.tally.record(handler, Outcome(outcome))
 
-    def dead_letter(self, handler: str | None, reason: str) -> None:
-        """Count a delivery parked in the dead-letter queue with ``reason``."""
-        self.messages.labels(handler or "", "dead_lettered").inc()
-        self.dead_letters.labels(handler or "", reason).inc()
+    def dead_letter(self, handler: str | None, reason: Reason | str) -> None:
+        """Count a delivery parked in the dead-letter queue with ``reason`` (a ``Reason``)."""
+        self.tally.record(handler, Outcome.DEAD_LETTERED, Reason(reason))
 
     @contextlib.contextmanager
     def transaction(self, handler: str | None) -> Iterator[None]:

@@ -169,7 +169,7 @@ async def run(
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         engine = await _open_engine(stack, settings, router)
-        metrics = Metrics()
+        metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, stats, metrics) if settings.relay else None
         connection = await connect_broker(settings)
         stack.push_async_callback(connection.close)
@@ -219,7 +219,7 @@ async def run_relay(
     """Relay the outbox until ``stop`` is set (the ``worker relay`` command)."""
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
-        metrics = Metrics()
+        metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, stats, metrics)
         monitor = await _open_monitor(stack, settings, relay.connection, metrics)
         await _supervise(settings, stop, {"relay": relay, "monitor": monitor}, started)
