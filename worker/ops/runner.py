@@ -22,8 +22,9 @@ from worker import schema
 from worker.backoff import while_starting
 from worker.core.router import Router
 from worker.database import check_durable_commits, create_engine
+from worker.ops.health import Monitor
 from worker.ops.janitor import Janitor
-from worker.ops.metrics import Metrics, Monitor
+from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration, redact
 from worker.transport.consumer import Consumer
 from worker.transport.relay import Relay
