@@ -21,7 +21,8 @@ from tests.conftest import running_worker
 from tests.helpers import broker_depth, envelope, payment, rows, scalar, wait_until
 from tests.test_process import wait_for_consumer, worker_process
 from worker import Batch, Context, Router
-from worker.core.unit_of_work import Outcome, process_batch
+from worker.core.outcomes import Outcome
+from worker.core.unit_of_work import process_batch
 from worker.errors import HandlerFailed, KeyReused
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT
 from worker.settings import Settings

@@ -25,7 +25,9 @@ from tests.helpers import wait_until
 from worker.core.context import OutboxMessage
 from worker.database import create_engine
 from worker.errors import PauseReason
-from worker.ops.metrics import Health, HttpServer, Metrics, Monitor, local_url
+from worker.ops.health import Health, Monitor
+from worker.ops.http import HttpServer, local_url
+from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql import outbox
 

@@ -15,7 +15,8 @@ from examples.payments import router as payments
 from tests.helpers import envelope, payment, rows, scalar
 from worker import Context, Retryable, Router
 from worker.core.codec import fingerprint
-from worker.core.unit_of_work import Outcome, process
+from worker.core.outcomes import Outcome
+from worker.core.unit_of_work import process
 from worker.errors import HandlerFailed, KeyReused
 
 EXCHANGE = "events"

@@ -19,7 +19,7 @@ from tests.test_consumer import dead_letters, publish
 from tests.test_failures import settled
 from worker import Context, Permanent, Retryable, Router, Workflow, WorkflowBusy
 from worker.core import workflows
-from worker.core.unit_of_work import Outcome
+from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed
 from worker.settings import Settings
 from worker.transport import dead_letters as dlq

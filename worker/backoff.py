@@ -1,7 +1,9 @@
 """How the worker waits and retries: every backoff policy, and waiting for the first of several.
 
 All retries go through tenacity with jittered exponential backoff and retry only what
-``errors.is_transient`` calls transient; a policy bound to a stop event stops waiting at shutdown.
+``errors.is_transient`` calls transient; a unit of work is tried again in process only when the
+failure policy (``core.policy.decide``) says so. A policy bound to a stop event stops waiting at
+shutdown.
 At start-up a refusal (a wrong password, a missing database or virtual host, an untrusted
 certificate) is not retried: it raises ``AccessRefused`` at the first attempt, naming what to fix.
 """
@@ -18,12 +20,12 @@ from tenacity import (
     RetryCallState,
     before_sleep_log,
     retry_if_exception,
-    stop_after_attempt,
     stop_after_delay,
     wait_exponential,
     wait_random,
 )
 
+from worker.core.policy import FailureFacts, PolicySettings, RetryInProcess, decide
 from worker.errors import is_transient, is_transient_at_start, refusals_explained
 
 log = logging.getLogger("worker")
@@ -60,11 +62,30 @@ def while_starting(logger: logging.Logger = log) -> AsyncRetrying:
 
 
 def in_process(attempts: int, logger: logging.Logger = log) -> AsyncRetrying:
-    """Up to ``attempts`` tries of a transiently failing unit of work, 0.1 s apart, doubling."""
+    """Up to ``attempts`` tries of a failing unit of work, as long as the failure policy says
+    ``RetryInProcess`` (a transient failure), waiting its delay plus up to 0.1 s of jitter."""
+    settings = PolicySettings(transient_attempts=attempts)
+    jitter = wait_random(0, 0.1)
+
+    def decision(state: RetryCallState) -> RetryInProcess | None:
+        outcome = state.outcome
+        if outcome is None or not outcome.failed:
+            return None
+        exc = outcome.exception()
+        assert exc is not None
+        decided = decide(exc, FailureFacts(tries=state.attempt_number), settings)
+        return decided if isinstance(decided, RetryInProcess) else None
+
+    def again(state: RetryCallState) -> bool:
+        return decision(state) is not None
+
+    def wait(state: RetryCallState) -> float:
+        decided = decision(state)
+        return (0.0 if decided is None else decided.delay) + jitter(state)
+
     return AsyncRetrying(
-        stop=stop_after_attempt(attempts),
-        wait=wait_exponential(multiplier=0.1, max=2.0) + wait_random(0, 0.1),
-        retry=retry_if_exception(is_transient),
+        retry=again,
+        wait=wait,
         before_sleep=before_sleep_log(logger, logging.WARNING),
         reraise=True,
     )

@@ -11,6 +11,7 @@ import enum
 import re
 import ssl
 from collections.abc import Iterator
+from typing import ClassVar
 
 import aiormq.exceptions
 import asyncpg
@@ -36,82 +37,105 @@ class HandlerRegistrationError(ConfigurationError):
     """A handler cannot be registered."""
 
 
+class Reason(enum.StrEnum):
+    """Why a delivery was dead-lettered: its ``x-worker-reason`` header and the ``reason`` label
+    of ``worker_dead_letters_total``. Each ``Rejected`` names its own; two have no exception."""
+
+    REJECTED = "rejected"
+    BODY_TOO_LARGE = "body-too-large"
+    UNDECODABLE = "undecodable"
+    INVALID = "invalid"
+    MISSING_KEY = "missing-key"
+    INVALID_KEY = "invalid-key"
+    INVALID_PROPERTY = "invalid-property"
+    BODY_TOO_DEEP = "body-too-deep"
+    CHECK_FAILED = "check-failed"
+    NO_HANDLER = "no-handler"
+    KEY_REUSED = "key-reused"
+    HANDLER_ERROR = "handler-error"
+    RETRIES_EXHAUSTED = "retries-exhausted"
+    INTERNAL_ERROR = "internal-error"
+    """A failure that is no ``Rejected`` and not transient: a bug in the worker, logged."""
+    RETRY_FAILED = "retry-failed"
+    """The broker refused a delayed-retry copy; its own dead-lettering parked the original."""
+
+
 class Rejected(WorkerError):
     """The message cannot be processed and is dead-lettered."""
 
-    reason = "rejected"
+    reason: ClassVar[Reason] = Reason.REJECTED
 
 
 class BodyTooLarge(Rejected):
     """The message body exceeds the configured size limit."""
 
-    reason = "body-too-large"
+    reason = Reason.BODY_TOO_LARGE
 
 
 class UndecodableBody(Rejected):
     """The message body is not UTF-8 JSON."""
 
-    reason = "undecodable"
+    reason = Reason.UNDECODABLE
 
 
 class InvalidBody(Rejected):
     """The message body fails the handler's validation."""
 
-    reason = "invalid"
+    reason = Reason.INVALID
 
 
 class MissingKey(Rejected):
     """The message has neither an idempotency-key header nor a message_id."""
 
-    reason = "missing-key"
+    reason = Reason.MISSING_KEY
 
 
 class InvalidKey(Rejected):
     """The message's idempotency key is empty or too long."""
 
-    reason = "invalid-key"
+    reason = Reason.INVALID_KEY
 
 
 class InvalidProperty(Rejected):
     """The message's message_id or correlation id cannot be stored (a NUL, or too long)."""
 
-    reason = "invalid-property"
+    reason = Reason.INVALID_PROPERTY
 
 
 class BodyTooDeep(Rejected):
     """The message body nests JSON arrays and objects deeper than the configured limit."""
 
-    reason = "body-too-deep"
+    reason = Reason.BODY_TOO_DEEP
 
 
 class CheckFailed(Rejected):
     """Checking the message raised an unexpected error; nothing was written."""
 
-    reason = "check-failed"
+    reason = Reason.CHECK_FAILED
 
 
 class NoHandler(Rejected):
     """No handler serves the message's routing key."""
 
-    reason = "no-handler"
+    reason = Reason.NO_HANDLER
 
 
 class KeyReused(Rejected):
     """idempotency key reused with a different payload"""
 
-    reason = "key-reused"
+    reason = Reason.KEY_REUSED
 
 
 class HandlerFailed(Rejected):
     """The handler raised an exception; its transaction was rolled back."""
 
-    reason = "handler-error"
+    reason = Reason.HANDLER_ERROR
 
 
 class RetriesExhausted(Rejected):
     """The message still failed transiently after its last delayed retry."""
 
-    reason = "retries-exhausted"
+    reason = Reason.RETRIES_EXHAUSTED
 
 
 class Permanent(WorkerError):

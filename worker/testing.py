@@ -41,7 +41,7 @@ import logging
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -56,10 +56,11 @@ from worker.core.envelope import (
     key_or_none,
     open_envelope,
 )
+from worker.core.outcomes import Outcome
+from worker.core.policy import FailureFacts, Park, PolicySettings, decide
 from worker.core.router import Router
-from worker.core.unit_of_work import Outcome
 from worker.database import one_connection
-from worker.errors import Fault, KeyReused, Rejected, classify
+from worker.errors import Reason, Rejected
 from worker.settings import Settings
 from worker.sql import inbox, outbox
 from worker.sql.outbox import OutboxRow
@@ -107,8 +108,6 @@ def _execute(settings: Settings, sql: str) -> None:
 
 # The harness: the worker's units of work with an in-memory delivery side
 
-DeliveryOutcome = Literal["processed", "duplicate", "duplicate_of_failed", "dead_lettered"]
-
 RELAY_BATCH_SIZE = 500
 """Outbox rows the harness's relay takes per transaction."""
 
@@ -137,20 +136,20 @@ class Published:
 class Delivered:
     """How one delivery ended, and the events that its transactions committed.
 
-    ``outcome`` is the worker's: ``processed``, ``duplicate``, ``duplicate_of_failed`` or
-    ``dead_lettered``. ``key`` is the idempotency key (of a dead letter: when it had a valid
-    one). A dead letter has the ``reason`` and ``error`` its ``x-worker-reason``
-    and ``x-worker-error`` headers would carry, ``exception`` the exception that rejected it
-    (for ``handler-error``, the handler's own), and ``dead_letter_headers`` the headers of the
-    copy the worker would park. ``result`` is what the key's inbox row stores after the delivery
-    (the handler's return value, as JSON).
+    ``outcome`` is the worker's ``Outcome``: ``processed``, ``duplicate``,
+    ``duplicate_of_failed`` or ``dead_lettered``. ``key`` is the idempotency key (of a dead
+    letter: when it had a valid one). A dead letter has the ``reason`` and ``error`` its
+    ``x-worker-reason`` and ``x-worker-error`` headers would carry, ``exception`` the exception
+    that rejected it (for ``handler-error``, the handler's own), and ``dead_letter_headers`` the
+    headers of the copy the worker would park. ``result`` is what the key's inbox row stores
+    after the delivery (the handler's return value, as JSON).
     """
 
     delivery: Delivery
-    outcome: DeliveryOutcome
+    outcome: Outcome
     key: str | None = None
     handler: str | None = None
-    reason: str | None = None
+    reason: Reason | None = None
     error: str | None = None
     exception: BaseException | None = None
     events: tuple[Published, ...] = ()
@@ -169,14 +168,15 @@ class Harness:
 
     Like the consumer: ``open_envelope`` checks the delivery, then ``workflows.run`` (workflow
     handlers, holding a lease of ``workflow_lease`` seconds) or ``unit_of_work.process`` runs
-    it, tried up to ``transient_attempts`` times while it fails transiently. A ``Rejected``
-    delivery is dead-lettered: not raised, returned and kept in ``dead_letters``, and a keyed
-    one has its key recorded as failed (except ``key-reused``). Unlike the consumer: a failure
-    that is still transient after the last try, or one the worker would park as
-    ``internal-error``, is raised to the test (the worker would schedule a delayed retry or log
-    the bug), and so is the deployment's fault (a missing table or privilege: the worker would
-    pause); the relay is ``relay()``, run after every delivery, which drains the outbox table
-    into ``published`` without publishing.
+    it, tried up to ``transient_attempts`` times while it fails transiently. Where a failure
+    goes, the worker's own policy decides (``policy.decide``, with ``retry_delays``): a delivery
+    it parks is dead-lettered here, not raised, returned and kept in ``dead_letters``, and a
+    keyed one has its key recorded as failed when the policy says so (not for ``key-reused``).
+    Unlike the consumer: a failure the worker would retry later (a delayed retry), park as
+    ``internal-error`` (a bug it logs) or pause for (the deployment's fault: a missing table or
+    privilege) is raised to the test; the database is the test's, so it is never probed; the
+    relay is ``relay()``, run after every delivery, which drains the outbox table into
+    ``published`` without publishing.
     """
 
     def __init__(
@@ -189,6 +189,7 @@ class Harness:
         max_json_depth: int = Settings.max_json_depth,
         workflow_lease: float = Settings.workflow_lease,
         transient_attempts: int = 1,
+        retry_delays: tuple[float, ...] = Settings.retry_delays,
     ) -> None:
         self.router = router
         self.engine = engine
@@ -197,6 +198,9 @@ class Harness:
         self.max_json_depth = max_json_depth
         self.workflow_lease = workflow_lease
         self.transient_attempts = transient_attempts
+        self.policy = PolicySettings.of(
+            Settings(transient_attempts=transient_attempts, retry_delays=retry_delays)
+        )
         self.published: list[Published] = []
         """Every event drained from the outbox so far, in outbox (commit) order."""
         self.dead_letters: list[Delivered] = []
@@ -207,8 +211,8 @@ class Harness:
 
     @classmethod
     def from_settings(cls, router: Router, engine: AsyncEngine, settings: Settings) -> Harness:
-        """A harness with the worker's exchange, body and depth limits, workflow lease and
-        in-process tries from ``settings``."""
+        """A harness with the worker's exchange, body and depth limits, workflow lease,
+        in-process tries and delayed retries from ``settings``."""
         return cls(
             router,
             engine,
@@ -217,6 +221,7 @@ class Harness:
             max_json_depth=settings.max_json_depth,
             workflow_lease=settings.workflow_lease,
             transient_attempts=settings.transient_attempts,
+            retry_delays=settings.retry_delays,
         )
 
     async def deliver(
@@ -277,7 +282,7 @@ class Harness:
             events = tuple(await self._relay())
             delivered = replace(delivered, events=events)
             self.deliveries.append(delivered)
-            if delivered.outcome == "dead_lettered":
+            if delivered.outcome is Outcome.DEAD_LETTERED:
                 self.dead_letters.append(delivered)
             return delivered
 
@@ -316,44 +321,46 @@ class Harness:
                 default_exchange=self.exchange,
                 lease=self.workflow_lease,
             )
-        except Rejected as exc:
-            if classify(exc) is Fault.DEPLOYMENT:
-                raise  # the worker pauses: nothing is parked, and the test should say why
-            return await self._dead_letter(delivery, envelope, exc)
+        except Exception as exc:
+            facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
+            decision = decide(exc, facts, self.policy)
+            if not isinstance(decision, Park) or decision.unexpected:
+                raise  # a delayed retry, a bug or a pause: the test should say why
+            return await self._dead_letter(delivery, envelope, exc, decision)
         async with self.engine.connect() as conn:
             key = (envelope.handler.name, envelope.key)
             entry = (await inbox.fetch_keys(conn, [key])).get(key)
         return Delivered(
             delivery,
-            outcome.value,
+            outcome,
             key=envelope.key,
             handler=envelope.handler.name,
             result=None if entry is None else entry.result,
         )
 
     async def _dead_letter(
-        self, delivery: Delivery, envelope: Envelope | None, exc: Rejected
+        self, delivery: Delivery, envelope: Envelope | None, exc: Exception, park: Park
     ) -> Delivered:
-        """What the consumer's ``_failed`` and ``_park`` do for a rejected delivery, with the
+        """What the consumer does with a delivery the policy parks (``failures.park``), with the
         dead-letter queue in memory."""
         handler = (
             envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
         )
         failure = Failure.of(delivery, exc, handler)
-        if envelope is not None and exc.reason != KeyReused.reason:
+        if envelope is not None and park.record_key:
             async with self.engine.begin() as conn:
                 await inbox.record_failure(
                     conn, envelope, error=failure.error, attempts=failure.attempts
                 )
         return Delivered(
             delivery,
-            "dead_lettered",
+            Outcome.DEAD_LETTERED,
             key=envelope.key if envelope is not None else key_or_none(delivery),
             handler=failure.handler,
-            reason=exc.reason,
+            reason=park.reason,
             error=failure.error,
             exception=cause_of(exc),
-            dead_letter_headers=failure.dead_letter_headers(exc.reason),
+            dead_letter_headers=failure.dead_letter_headers(park.reason),
         )
 
 

@@ -11,7 +11,6 @@ the same order and cannot deadlock on them; a key delivered twice in one batch r
 
 from __future__ import annotations
 
-import enum
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,19 +19,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker.core.context import Batch, Context
 from worker.core.envelope import Envelope
+from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed, KeyReused, is_transient
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, crash_point
 from worker.sql import inbox, outbox
 from worker.sql.inbox import InboxEntry, InboxKey
-
-
-class Outcome(enum.Enum):
-    """How a message's unit of work ended, when it did not raise."""
-
-    PROCESSED = "processed"
-    DUPLICATE = "duplicate"
-    DUPLICATE_OF_FAILED = "duplicate_of_failed"
-
 
 Settled = Outcome | KeyReused
 """A message's end in a batch that committed: an outcome, or the key-reused rejection."""

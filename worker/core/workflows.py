@@ -28,7 +28,8 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker.core.codec import to_jsonable
 from worker.core.context import Context
 from worker.core.envelope import Envelope
-from worker.core.unit_of_work import Outcome, claim, duplicate, process
+from worker.core.outcomes import Outcome
+from worker.core.unit_of_work import claim, duplicate, process
 from worker.errors import HandlerFailed, Rejected, Retryable, is_transient
 from worker.faults import crash_point
 from worker.sql import inbox, outbox

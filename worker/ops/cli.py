@@ -663,7 +663,7 @@ def _health(settings: Settings, args: argparse.Namespace) -> int:
     import urllib.error
     import urllib.request
 
-    from worker.ops.metrics import local_url
+    from worker.ops.http import local_url
 
     if settings.http_port == 0:
         raise ConfigurationError("http_port is 0: this process serves no /healthz")

@@ -21,8 +21,9 @@ from worker import schema
 from worker.backoff import while_starting
 from worker.core.router import Router
 from worker.database import check_durable_commits, create_engine
+from worker.ops.health import Monitor
 from worker.ops.janitor import Janitor
-from worker.ops.metrics import Metrics, Monitor
+from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration, redact
 from worker.transport.connection import connect
 from worker.transport.consumer import Consumer
@@ -169,7 +170,7 @@ async def run(
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         engine = await _open_engine(stack, settings, router)
-        metrics = Metrics()
+        metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, stats, metrics) if settings.relay else None
         connection = await connect_broker(settings)
         stack.push_async_callback(connection.close)
@@ -219,7 +220,7 @@ async def run_relay(
     """Relay the outbox until ``stop`` is set (the ``worker relay`` command)."""
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
-        metrics = Metrics()
+        metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, stats, metrics)
         monitor = await _open_monitor(stack, settings, relay.connection, metrics)
         await _supervise(settings, stop, {"relay": relay, "monitor": monitor}, started)

@@ -5,10 +5,10 @@ the deliveries that arrived (waiting ``batch_linger`` for more when there are fe
 (``open_envelope``), process them in one transaction (``unit_of_work.process_batch``) and ack
 them after its commit, with one multiple-ack where that is safe (``acks``). A batch that fails
 in any way is redone one delivery per transaction, so only the failing delivery takes the
-failure path. Every failure ends in exactly one place, and the delivery is acked only after the
-broker confirmed the copy it was turned into:
+failure path, and ends where the failure policy says (``core.policy.decide``), carried out by
+``failures.Failures``:
 
-- transient (``errors.is_transient``): retried in-process ``transient_attempts`` times with
+- transient (``errors.classify``): retried in-process ``transient_attempts`` times with
   backoff; then sent to the next delayed-retry queue with its attempt count; after the last one,
   parked in the dead-letter queue as ``retries-exhausted``;
 - permanent (a ``Rejected`` check, a handler error): parked in the dead-letter queue; when it has
@@ -19,13 +19,9 @@ broker confirmed the copy it was turned into:
   missing): likewise nothing is parked and no key is marked failed; consumption pauses and tries
   again after a growing wait (sooner once the migrations are at head).
 
-Parking always ends: once the broker confirmed the DLQ copy the delivery is acked, even if
-recording its key as failed does not work (the copy is the record). If the copy cannot be
-published while the channel lives, the delivery is handed to the broker's own dead-lettering
-(``reject``) instead of returning to the queue. Nothing a message holds can raise past the
-checks: an unexpected error while opening it parks it as ``check-failed``. After
-``failure_throttle_after`` dead letters in a row, the consumer takes one message at a time,
-``failure_throttle_delay`` apart, until one succeeds.
+Nothing a message holds can raise past the checks: an unexpected error while opening it parks
+it as ``check-failed``. After ``failure_throttle_after`` dead letters in a row, the consumer
+takes one message at a time, ``failure_throttle_delay`` apart, until one succeeds.
 """
 
 from __future__ import annotations
@@ -33,13 +29,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
-import aiormq.exceptions
 from aio_pika.abc import (
     AbstractChannel,
-    AbstractExchange,
     AbstractIncomingMessage,
     AbstractRobustConnection,
 )
@@ -49,22 +43,18 @@ from worker import backoff, database, logs, schema, tracing
 from worker.backoff import first
 from worker.core import unit_of_work, workflows
 from worker.core.envelope import (
-    IDEMPOTENCY_KEY_HEADER,
     ROUTING_KEY_HEADER,
     Delivery,
     Envelope,
     open_envelope,
 )
+from worker.core.outcomes import Outcome
 from worker.core.router import Router
-from worker.core.unit_of_work import Outcome
 from worker.errors import (
     CheckFailed,
-    Fault,
     KeyReused,
     PauseReason,
     Rejected,
-    RetriesExhausted,
-    classify,
 )
 from worker.faults import (
     CONSUMER_AFTER_COMMIT,
@@ -73,17 +63,12 @@ from worker.faults import (
     crash_point,
 )
 from worker.ops.metrics import Metrics
-from worker.settings import Settings, format_duration
-from worker.sql import inbox
-from worker.transport import dead_letters
+from worker.settings import Settings
 from worker.transport.acks import Settlements
-from worker.transport.dead_letters import Failure
+from worker.transport.failures import Failures
 from worker.transport.topology import Topology, declare_topology
 
 log = logging.getLogger(__name__)
-
-LOST_COPIES_REMEMBERED = 10_000
-"""Deliveries whose failure copy was lost with the channel, remembered to break a cycle."""
 
 DEPLOYMENT_RETRY_MAX = 60.0
 """Longest wait, in seconds, before a consumer paused by a deployment fault tries again; the wait
@@ -115,26 +100,15 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
     )
 
 
-def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
-    """What tells one message from another across its redeliveries (tags change)."""
-    headers = message.headers or {}
-    return (
-        message.message_id,
-        message.routing_key,
-        str(headers.get(IDEMPOTENCY_KEY_HEADER)),
-        len(message.body),
-        hash(message.body),
-    )
-
-
 class Consumer:
     """Consumes the work queue on one channel, ``concurrency`` transactions at a time.
 
-    ``stats`` counts outcomes: ``processed``, ``duplicate``, ``duplicate_of_failed``,
+    ``stats`` (``metrics.tally.stats``: given both, ``metrics`` must be ``Metrics(stats)``) counts
+    outcomes, each once (``Tally.record``): ``processed``, ``duplicate``, ``duplicate_of_failed``,
     ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued``,
     ``rejected_to_broker`` (a DLQ copy that could not be published, dead-lettered by the broker
-    instead), ``paused`` (times consumption paused for a database outage or a deployment fault)
-    and ``throttled`` (times it slowed down after consecutive dead letters); and for batches:
+    instead), ``paused`` (times consumption paused for a database outage or a deployment fault) and
+    ``throttled`` (times it slowed down after consecutive dead letters); and for batches:
     ``batches`` (transactions of several deliveries), ``multiple_acks`` and ``batch_retried_alone``
     (batches that failed and were redone one message per transaction).
     """
@@ -150,12 +124,14 @@ class Consumer:
         metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = Metrics() if metrics is None else metrics
+        self.metrics = Metrics(stats) if metrics is None else metrics
+        if stats is not None and stats is not self.metrics.tally.stats:
+            raise ValueError("count into one place: pass Metrics(stats), or stats alone")
         self.on_events = on_events
         self.router = router
         self.engine = engine
         self.connection = connection
-        self.stats: Counter[str] = Counter() if stats is None else stats
+        self.stats: Counter[str] = self.metrics.tally.stats
         self.settlements = Settlements()
         self._pending: list[AbstractIncomingMessage] = []
         self._arrived = asyncio.Event()
@@ -170,9 +146,17 @@ class Consumer:
         self._pause_detail = ""
         self._deployment_pauses = 0
         self._pausing = asyncio.Lock()
-        self._dead_letters_in_a_row = 0
         self._one_at_a_time = asyncio.Lock()
-        self._copies_lost: OrderedDict[tuple[object, ...], None] = OrderedDict()
+        self.failures = Failures(
+            settings,
+            router,
+            engine,
+            self.settlements,
+            self.metrics,
+            channel=lambda: self._channel,
+            topology=lambda: self._topology,
+            pause=self._pause,
+        )
         self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
@@ -190,8 +174,7 @@ class Consumer:
     @property
     def throttled(self) -> bool:
         """True while dead letters in a row hold the consumer to one message at a time."""
-        limit = self.settings.failure_throttle_after
-        return limit > 0 and self._dead_letters_in_a_row >= limit
+        return self.failures.throttled
 
     def condition(self) -> dict[str, object]:
         """What ``/healthz`` shows of the consumer beyond ``consuming``: why it is paused, if it
@@ -341,7 +324,7 @@ class Consumer:
         if self.paused:
             for message in messages:
                 routed = self.router.find(delivery_from_amqp(message).routing_key)
-                await self._requeue(message, routed.name if routed is not None else None)
+                await self.failures.requeue(message, routed.name if routed is not None else None)
             return
         together: list[tuple[AbstractIncomingMessage, Envelope]] = []
         alone: list[tuple[AbstractIncomingMessage, Envelope]] = []
@@ -365,7 +348,7 @@ class Consumer:
             alone[:0] = together
         for message, delivery, rejection in rejected:
             with logs.message_context(delivery):
-                await self._failed(message, delivery, None, rejection)
+                await self.failures.failed(message, delivery, None, rejection)
         for message, envelope in alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
@@ -410,7 +393,7 @@ class Consumer:
         for (message, envelope), end in zip(together, ends, strict=True):
             if isinstance(end, KeyReused):
                 with logs.message_context(envelope.delivery, envelope):
-                    await self._failed(message, envelope.delivery, envelope, end)
+                    await self.failures.failed(message, envelope.delivery, envelope, end)
                 continue
             self._count(envelope, end)
             committed.append(message)
@@ -419,8 +402,7 @@ class Consumer:
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()
-        self.stats[outcome.value] += 1
-        self.metrics.message(envelope.handler.name, outcome.value)
+        self.metrics.tally.record(envelope.handler.name, outcome)
         log.debug(
             "%s key=%s handler=%s message_id=%s",
             outcome.value,
@@ -441,7 +423,7 @@ class Consumer:
         """One checked delivery in a unit of work of its own (a workflow's run, or one
         transaction), retried in process while it fails transiently."""
         if self.paused:  # (after a failed batch, the database may be what failed)
-            await self._requeue(message, envelope.handler.name)
+            await self.failures.requeue(message, envelope.handler.name)
             return
         delivery = envelope.delivery
         with logs.message_context(delivery, envelope):
@@ -476,227 +458,17 @@ class Consumer:
                     )
                     tracing.set_attribute(span, "worker.outcome", outcome.value)
             except Exception as exc:
-                await self._failed(message, delivery, envelope, exc)
+                await self.failures.failed(message, delivery, envelope, exc)
                 return
             crash_point(CONSUMER_AFTER_COMMIT)
             self.metrics.batch(1)
             self._count(envelope, outcome)
             await self.settlements.ack_one(message)
 
-    async def _failed(
-        self,
-        message: AbstractIncomingMessage,
-        delivery: Delivery,
-        envelope: Envelope | None,
-        exc: Exception,
-    ) -> None:
-        """Route a failure to its one destination (see the module docstring)."""
-        handler = (
-            envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
-        )
-        failure = Failure.of(delivery, exc, handler)
-        fault = classify(exc)
-        checked_before_the_database = isinstance(exc, Rejected) and envelope is None
-        if not checked_before_the_database and not await self._database_answers():
-            await self._pause(PauseReason.DATABASE_UNREACHABLE, "PostgreSQL does not answer")
-            await self._requeue(message, failure.handler)
-            return
-        if fault is Fault.DEPLOYMENT:
-            await self._pause(PauseReason.DEPLOYMENT, logs.describe_error(exc))
-            await self._requeue(message, failure.handler)
-            return
-        if fault is Fault.TRANSIENT:
-            if failure.attempts <= len(self.settings.retry_delays):
-                await self._retry_later(message, failure)
-                return
-            exc = RetriesExhausted(
-                f"still failing after {failure.attempts} attempts: {failure.error}"
-            )
-        elif not isinstance(exc, Rejected):
-            log.error("unexpected failure for message %s", delivery.message_id, exc_info=exc)
-        reason = exc.reason if isinstance(exc, Rejected) else "internal-error"
-        await self._park(message, failure, reason, envelope)
-
-    async def _retry_later(self, message: AbstractIncomingMessage, failure: Failure) -> None:
-        assert self._topology is not None
-        delay = self.settings.retry_delays[failure.attempts - 1]
-        retry_queue = self.settings.retry_queue(delay)
-        copied = await self._copy(
-            message,
-            failure,
-            "retry-failed",
-            lambda exchange: dead_letters.schedule_retry(
-                exchange, message, failure, retry_queue=retry_queue
-            ),
-        )
-        if not copied:
-            return
-        self.stats["retry_scheduled"] += 1
-        self.metrics.message(failure.handler, "retry_scheduled")
-        log.warning(
-            "attempt %d of message %s failed transiently; retrying in %gs: %s",
-            failure.attempts,
-            message.message_id,
-            delay,
-            failure.error,
-        )
-        await self.settlements.ack_one(message)
-
-    async def _park(
-        self,
-        message: AbstractIncomingMessage,
-        failure: Failure,
-        reason: str,
-        envelope: Envelope | None,
-    ) -> None:
-        """Park in the DLQ; then, for a keyed message, record its key as failed; then ack.
-
-        Parking comes first: a crash before the ack parks the message twice at worst, while a
-        recorded failure without a parked copy would leave nothing to replay. Once the broker
-        confirmed the copy, the delivery is acked whatever happens to the record (the copy is
-        the record).
-        """
-        assert self._topology is not None
-        dead_letter_exchange = self._topology.dead_letter_exchange
-        copied = await self._copy(
-            message,
-            failure,
-            reason,
-            lambda _: dead_letters.park(dead_letter_exchange, message, failure, reason=reason),
-        )
-        if not copied:
-            return
-        if envelope is not None and reason != KeyReused.reason:
-            try:
-                await backoff.in_process(self.settings.transient_attempts, log)(
-                    self._record_failure, envelope, failure
-                )
-            except Exception:
-                log.exception(
-                    "message %s is parked, but its key could not be recorded as failed; a "
-                    "redelivery of the key will run again",
-                    message.message_id,
-                )
-        self._count_dead_letter(failure, reason)
-        log.warning(
-            "dead-lettered message %s (routing key %r): %s: %s",
-            message.message_id,
-            failure.delivery.routing_key,
-            reason,
-            failure.error,
-        )
-        await self.settlements.ack_one(message)
-
-    async def _copy(
-        self,
-        message: AbstractIncomingMessage,
-        failure: Failure,
-        reason: str,
-        publish: Callable[[AbstractExchange], Awaitable[None]],
-    ) -> bool:
-        """Publish the copy a failure turns ``message`` into (``publish``, given the default
-        exchange); True once the broker confirmed it, else the delivery is settled here.
-
-        A failed copy never sends the delivery round and round. An unroutable copy (its queue
-        was deleted) is the deployment's fault: consumption pauses, and declares the topology
-        again before it resumes. If the broker refused the copy otherwise while the channel
-        lives (nacked, or the client could not encode it), or if the delivery comes back redelivered
-        after its copy cost the channel before (a copy over the broker's size limit closes it),
-        the broker's own dead-lettering parks the original as it is (``reject``). Only a copy
-        lost with its channel returns the delivery to the queue, once.
-        """
-        assert self._topology is not None
-        identity = _identity(message)
-        if message.redelivered and identity in self._copies_lost:
-            del self._copies_lost[identity]
-            log.error(
-                "message %s came back after its %s copy was lost with the channel; the broker "
-                "dead-letters it as it is",
-                message.message_id,
-                reason,
-            )
-            await self._reject_to_broker(message, failure, reason)
-            return False
-        try:
-            await publish(self._topology.default_exchange)
-        except Exception as exc:
-            if isinstance(exc, aiormq.exceptions.PublishError):  # returned: no queue bound
-                await self._pause(
-                    PauseReason.DEPLOYMENT,
-                    f"the {reason} copy of a message is unroutable: {exc} (queue deleted?)",
-                )
-                await self._requeue(message, failure.handler)
-                return False
-            if self._channel_lost(exc):
-                log.warning("the copy of message %s was lost: %r", message.message_id, exc)
-                self._copies_lost[identity] = None
-                while len(self._copies_lost) > LOST_COPIES_REMEMBERED:
-                    self._copies_lost.popitem(last=False)
-                await self._requeue(message, failure.handler)  # (void: the broker redelivers)
-                return False
-            log.exception(
-                "the broker refused the %s copy of message %s; it dead-letters it as it is",
-                reason,
-                message.message_id,
-            )
-            await self._reject_to_broker(message, failure, reason)
-            return False
-        return True
-
-    async def _reject_to_broker(
-        self, message: AbstractIncomingMessage, failure: Failure, reason: str
-    ) -> None:
-        """Let the work queue's dead-letter exchange park ``message`` as it is (``x-death``)."""
-        self.stats["rejected_to_broker"] += 1
-        self._count_dead_letter(failure, reason)
-        await self.settlements.reject(message)
-
-    def _count_dead_letter(self, failure: Failure, reason: str) -> None:
-        self._dead_lettered()
-        self.stats["dead_lettered"] += 1
-        self.stats[f"dead_lettered:{reason}"] += 1
-        self.metrics.dead_letter(failure.handler, reason)
-
-    def _channel_lost(self, exc: BaseException) -> bool:
-        """True when a publish failed because the channel or connection went away (the
-        delivery's tag is void then), not because the broker refused this message."""
-        channel = self._channel
-        return channel is None or channel.is_closed or classify(exc) is Fault.TRANSIENT
-
-    def _dead_lettered(self) -> None:
-        """Count one more dead letter in a row; slow down when there are too many."""
-        self._dead_letters_in_a_row += 1
-        if self._dead_letters_in_a_row == self.settings.failure_throttle_after:
-            self.stats["throttled"] += 1
-            self.metrics.throttled(True)
-            log.error(
-                "%d messages in a row were dead-lettered: taking one message at a time, %s "
-                "apart, until one succeeds (a handler bug or a bad deployment? see the DLQ)",
-                self._dead_letters_in_a_row,
-                format_duration(self.settings.failure_throttle_delay),
-            )
-
     def _succeeded(self) -> None:
-        """A message ended well: dead letters are no longer in a row."""
-        if self.throttled:
-            self.metrics.throttled(False)
-            log.warning("a message succeeded: back to full speed")
-        self._dead_letters_in_a_row = 0
+        """A message ended well: dead letters are no longer in a row, nor deployment pauses."""
+        self.failures.succeeded()
         self._deployment_pauses = 0
-
-    async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
-        async with self.engine.begin() as conn:
-            await inbox.record_failure(
-                conn, envelope, error=failure.error, attempts=failure.attempts
-            )
-
-    async def _database_answers(self) -> bool:
-        try:
-            await database.probe(self.engine)
-        except Exception as exc:
-            log.warning("PostgreSQL does not answer: %r", exc)
-            return False
-        return True
 
     async def _pause(self, reason: PauseReason, detail: str) -> None:
         """Stop consuming until the fault is gone; return once the broker confirmed it.
@@ -784,8 +556,3 @@ class Consumer:
             self._resuming = None
             self._pause_reason, self._pause_detail = None, ""
             self.metrics.paused(None)
-
-    async def _requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
-        self.stats["requeued"] += 1
-        self.metrics.message(handler, "requeued")
-        await self.settlements.requeue(message)
