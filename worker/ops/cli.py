@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from aio_pika.abc import AbstractRobustConnection
 
 if TYPE_CHECKING:
-    from worker.transport.dead_letters import Outcome, Parked, Selection
+    from worker.ops.dlq import Outcome, Parked, Selection
 
 from worker import logs
 from worker.errors import ConfigurationError
@@ -441,20 +441,18 @@ def _dlq_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def _dlq_selection(args: argparse.Namespace) -> Selection:
-    from worker.transport.dead_letters import Selection
+    from worker.ops.dlq import Selection
 
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
 
 
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     limit = None if args.all else args.limit
 
     async def show(connection: AbstractRobustConnection) -> int:
-        found = dead_letters.browse(
-            connection, settings, selection=_dlq_selection(args), limit=limit
-        )
+        found = dlq.browse(connection, settings, selection=_dlq_selection(args), limit=limit)
         shown = 0
         async with contextlib.aclosing(found) as outcomes:
             async for outcome in outcomes:
@@ -470,11 +468,11 @@ def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
 
 def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
     from worker.database import one_connection
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
         async with one_connection(settings, "worker-dlq") as engine:
-            outcomes = dead_letters.replaying(
+            outcomes = dlq.replaying(
                 connection,
                 engine,
                 settings,
@@ -496,14 +494,14 @@ def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     selection = _dlq_selection(args)
     if not selection.filters and not args.all:
         raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
 
     async def purge(connection: AbstractRobustConnection) -> tuple[int, int]:
-        outcomes = dead_letters.purging(
+        outcomes = dlq.purging(
             connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
         )
         return await _dlq_report(outcomes, "would purge" if args.dry_run else "purged")

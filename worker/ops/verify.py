@@ -35,11 +35,11 @@ from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.logs import describe_error
 from worker.ops import admin
+from worker.ops.dlq import list_parked
 from worker.ops.plugins import installed_targets
 from worker.settings import Settings, format_duration, redact
 from worker.sql import inspection
 from worker.transport.connection import connect
-from worker.transport.dead_letters import list_parked
 
 APPLICATION_NAME = "worker-verify"
 CONNECT_TIMEOUT = 10.0
