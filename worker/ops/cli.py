@@ -690,16 +690,12 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
-    from examples.payments.demo import plan_payments, publish_demo
+    from worker.ops import demo
 
-    plan = plan_payments(args.count, args.duplicates, args.accounts, args.seed)
-    asyncio.run(publish_demo(settings, plan))
-    print(
-        f"published {len(plan.sends)} payment requests: {len(plan.payments)} unique payments, "
-        f"{len(plan.sends) - len(plan.payments)} duplicates"
-    )
-    for account, cents in sorted(plan.expected_balances.items()):
-        print(f"  expected balance of {account}: {cents} cents (from this run)")
+    demos = demo.load_demos(settings.handlers)
+    options = demo.DemoOptions(args.count, args.duplicates, args.accounts, args.seed)
+    for line in asyncio.run(demo.send(settings, options, demos)):
+        print(line)
     return 0
 
 
