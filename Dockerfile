@@ -16,10 +16,19 @@ COPY requirements.lock .
 RUN pip install --no-cache-dir --require-hashes -r requirements.lock
 
 # .dockerignore keeps the virtualenv, git metadata, caches and tests out of the context.
+# The worker (distribution rabbit-outbox-worker) is installed from a copy of the sources that is
+# removed afterwards, so `import worker` always means the installed package.
+WORKDIR /tmp/source
 COPY . .
 RUN pip install --no-cache-dir --no-deps . \
-    && rm -rf build *.egg-info \
+    && rm -rf /tmp/source \
     && useradd --system --no-create-home --shell /usr/sbin/nologin worker
+
+# The example handler modules are not part of the package: they sit in /app, importable as
+# WORKER_HANDLERS=examples.payments from any working directory.
+WORKDIR /app
+COPY examples ./examples
+ENV PYTHONPATH=/app
 
 USER worker
 

@@ -22,8 +22,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.helpers import broker_depth, rows, worker_environ
 from tests.test_cli import WORKER_SCRIPT, run
 from worker.core.envelope import Delivery
+from worker.ops import dlq
 from worker.settings import Settings
-from worker.transport import dead_letters as dlq
+from worker.transport.dead_letters import DEAD_LETTERED_AT, Failure
 from worker.transport.topology import declare_topology
 
 HANDLER = "dlq.job"
@@ -52,9 +53,9 @@ async def park(
             delivery = Delivery(
                 body=b'{"n": 1}', routing_key=copy.handler, headers={"idempotency-key": copy.key}
             )
-            failure = dlq.Failure(delivery, "KeyError: 'account'", "KeyError", copy.handler)
+            failure = Failure(delivery, "KeyError: 'account'", "KeyError", copy.handler)
             headers = failure.dead_letter_headers(copy.reason)
-            headers[dlq.DEAD_LETTERED_AT] = (datetime.now(UTC) - copy.age).isoformat()
+            headers[DEAD_LETTERED_AT] = (datetime.now(UTC) - copy.age).isoformat()
             parked = aio_pika.Message(
                 delivery.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
             )

@@ -24,8 +24,9 @@ from tests.test_cli import WORKER_SCRIPT, run
 from tests.test_consumer import dead_letters, publish, queue_empty, ready_messages
 from worker import Context, Permanent, Retryable, Router
 from worker.errors import is_transient
+from worker.ops import dlq
 from worker.settings import Settings
-from worker.transport import dead_letters as dlq
+from worker.transport.dead_letters import copy_of
 
 ROUTING_KEY = "flaky.job"
 
@@ -268,7 +269,7 @@ async def test_a_replay_copy_sent_twice_runs_once(
         dead_letter_exchange = await channel.get_exchange(settings.dead_letter_exchange)
         for _ in range(2):
             await dead_letter_exchange.publish(
-                dlq.copy_of(parked, parked.headers), routing_key=ROUTING_KEY
+                copy_of(parked, parked.headers), routing_key=ROUTING_KEY
             )
 
         # When both copies are replayed

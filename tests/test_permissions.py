@@ -38,9 +38,9 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.conftest import BASE, running_worker
 from tests.helpers import wait_until
 from worker import Context, Permanent, Retryable, Router
+from worker.ops import dlq
 from worker.ops.permissions import DEFAULT_EXCHANGE, producer_permissions, worker_permissions
 from worker.settings import Settings
-from worker.transport import dead_letters as dlq
 from worker.transport.connection import connect
 from worker.transport.topology import declare_topology, queue_names
 

@@ -21,8 +21,8 @@ from worker import Context, Permanent, Retryable, Router, Workflow, WorkflowBusy
 from worker.core import workflows
 from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed
+from worker.ops import dlq
 from worker.settings import Settings
-from worker.transport import dead_letters as dlq
 
 ROUTING_KEY = "trip.booked"
 STEPS = ("book_flight", "book_hotel", "send_itinerary")

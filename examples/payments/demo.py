@@ -1,6 +1,7 @@
 """Demo traffic for the payments example: N payment requests, some of them sent twice.
 
-``worker demo`` runs it so that ``docker compose up`` shows the whole flow in its logs.
+``worker demo --handlers examples.payments`` runs ``demo`` below (the module's ``demo`` hook,
+found by ``worker.ops.demo``) so that ``docker compose up`` shows the whole flow in its logs.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,7 @@ from aio_pika import DeliveryMode, Message
 
 from examples.payments import router as payments_router
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.ops.demo import DemoOptions
 from worker.ops.runner import connect_broker
 from worker.settings import Settings
 from worker.transport.topology import declare_topology
@@ -71,3 +74,18 @@ async def publish_demo(settings: Settings, plan: DemoPlan) -> None:
         topology = await declare_topology(channel, settings, payments_router.routing_keys())
         for payment in plan.sends:
             await topology.exchange.publish(request_message(payment), routing_key=ROUTING_KEY)
+
+
+async def demo(settings: Settings, options: DemoOptions) -> Sequence[str]:
+    """``worker demo``'s traffic: ``options.count`` payment requests over ``options.accounts``
+    accounts, a share ``options.duplicates`` of them resent; the balances to expect after."""
+    plan = plan_payments(options.count, options.duplicates, options.accounts, options.seed)
+    await publish_demo(settings, plan)
+    return [
+        f"published {len(plan.sends)} payment requests: {len(plan.payments)} unique payments, "
+        f"{len(plan.sends) - len(plan.payments)} duplicates",
+        *(
+            f"  expected balance of {account}: {cents} cents (from this run)"
+            for account, cents in sorted(plan.expected_balances.items())
+        ),
+    ]

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from aio_pika.abc import AbstractRobustConnection
 
 if TYPE_CHECKING:
-    from worker.transport.dead_letters import Outcome, Parked, Selection
+    from worker.ops.dlq import Outcome, Parked, Selection
 
 from worker import logs
 from worker.errors import ConfigurationError
@@ -441,20 +441,18 @@ def _dlq_filters(parser: argparse.ArgumentParser) -> None:
 
 
 def _dlq_selection(args: argparse.Namespace) -> Selection:
-    from worker.transport.dead_letters import Selection
+    from worker.ops.dlq import Selection
 
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
 
 
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     limit = None if args.all else args.limit
 
     async def show(connection: AbstractRobustConnection) -> int:
-        found = dead_letters.browse(
-            connection, settings, selection=_dlq_selection(args), limit=limit
-        )
+        found = dlq.browse(connection, settings, selection=_dlq_selection(args), limit=limit)
         shown = 0
         async with contextlib.aclosing(found) as outcomes:
             async for outcome in outcomes:
@@ -470,11 +468,11 @@ def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
 
 def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
     from worker.database import one_connection
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
         async with one_connection(settings, "worker-dlq") as engine:
-            outcomes = dead_letters.replaying(
+            outcomes = dlq.replaying(
                 connection,
                 engine,
                 settings,
@@ -496,14 +494,14 @@ def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport import dead_letters
+    from worker.ops import dlq
 
     selection = _dlq_selection(args)
     if not selection.filters and not args.all:
         raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
 
     async def purge(connection: AbstractRobustConnection) -> tuple[int, int]:
-        outcomes = dead_letters.purging(
+        outcomes = dlq.purging(
             connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
         )
         return await _dlq_report(outcomes, "would purge" if args.dry_run else "purged")
@@ -692,16 +690,12 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
-    from examples.payments.demo import plan_payments, publish_demo
+    from worker.ops import demo
 
-    plan = plan_payments(args.count, args.duplicates, args.accounts, args.seed)
-    asyncio.run(publish_demo(settings, plan))
-    print(
-        f"published {len(plan.sends)} payment requests: {len(plan.payments)} unique payments, "
-        f"{len(plan.sends) - len(plan.payments)} duplicates"
-    )
-    for account, cents in sorted(plan.expected_balances.items()):
-        print(f"  expected balance of {account}: {cents} cents (from this run)")
+    demos = demo.load_demos(settings.handlers)
+    options = demo.DemoOptions(args.count, args.duplicates, args.accounts, args.seed)
+    for line in asyncio.run(demo.send(settings, options, demos)):
+        print(line)
     return 0
 
 

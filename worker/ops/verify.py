@@ -6,25 +6,23 @@ of work never commits one; a workflow's is resumed once its lease expires); the 
 nothing is parked unless that is allowed; with ``quiet_queue``, no message waits in the work queue
 or a retry queue; and every invariant a handler module declares about its own tables holds.
 
-A handler module declares its invariants as a module-level ``invariants`` list of async callables,
-either in the module itself or in its ``invariants`` submodule (``examples.payments.invariants``);
-each takes the ``Deployment`` and returns a ``Check``, or None when it does not apply. They are
-found for the modules named in ``handlers`` and the installed ``worker.handlers`` entry points, as
-``plugins.load_routers`` finds routers. Checks only read, except those that say otherwise (the
-payments example drains ``capture_queue``).
+A handler module declares its invariants through the ``invariants`` hook (``plugins.hook``): a
+module-level list of async callables, in the module itself or in its ``invariants`` submodule
+(the payments example's ``examples/payments/invariants.py``); each takes the ``Deployment`` and
+returns a ``Check``, or None when it does not apply. They are found for the modules named in
+``handlers`` and the installed ``worker.handlers`` entry points, as ``plugins.load_routers``
+finds routers. Checks only read, except those that say otherwise (the payments example drains
+``capture_queue``).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import json
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from aio_pika.abc import AbstractRobustConnection
@@ -34,12 +32,11 @@ from worker import database
 from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.logs import describe_error
-from worker.ops import admin
-from worker.ops.plugins import installed_targets
+from worker.ops import admin, plugins
+from worker.ops.dlq import list_parked
 from worker.settings import Settings, format_duration, redact
 from worker.sql import inspection
 from worker.transport.connection import connect
-from worker.transport.dead_letters import list_parked
 
 APPLICATION_NAME = "worker-verify"
 CONNECT_TIMEOUT = 10.0
@@ -167,24 +164,16 @@ def name_of(invariant: Invariant) -> str:
 def load_invariants(targets: Iterable[str], *, include_installed: bool = True) -> list[Invariant]:
     """The invariants of every named handler module (``module`` or ``module:router``) and, with
     ``include_installed``, of every installed ``worker.handlers`` entry point, each once."""
-    names = list(targets) + (installed_targets() if include_installed else [])
     found: dict[int, Invariant] = {}
-    for module_name in dict.fromkeys(target.partition(":")[0] for target in names):
+    for module_name in plugins.module_names(targets, include_installed=include_installed):
         for invariant in invariants_of(module_name):
             found.setdefault(id(invariant), invariant)
     return list(found.values())
 
 
 def invariants_of(module_name: str) -> list[Invariant]:
-    """The ``invariants`` list of the module, or of its ``invariants`` submodule; [] if none."""
-    module = _import(module_name)
-    value = getattr(module, "invariants", None)
-    if value is None and hasattr(module, "__path__"):
-        submodule = f"{module_name}.invariants"
-        if importlib.util.find_spec(submodule) is not None:
-            value = _import(submodule)
-    if isinstance(value, ModuleType):
-        value = getattr(value, "invariants", None)
+    """The ``invariants`` hook of the module (``plugins.hook``); [] if it has none."""
+    value = plugins.hook(module_name, "invariants")
     if value is None:
         return []
     if not isinstance(value, list | tuple) or not all(
@@ -194,13 +183,6 @@ def invariants_of(module_name: str) -> list[Invariant]:
             f"{module_name}: `invariants` must be a list of async functions taking a Deployment"
         )
     return list(value)
-
-
-def _import(module_name: str) -> ModuleType:
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigurationError(f"cannot import {module_name!r}: {exc}") from exc
 
 
 def read_expected_balances(path: str | Path) -> dict[str, int]:
