@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,24 @@ async def close_broker_connections(pids: Iterable[int], amqp_url: str, explanati
     )
     # (a connection that closed meanwhile can make the broker's listing fail: none closed)
     return int(result.stdout) if result.returncode == 0 and result.stdout.strip().isdigit() else 0
+
+
+WORKER_SCRIPT = Path(sys.executable).with_name("worker")
+
+
+def _environ(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env["COLUMNS"] = "200"
+    env.update(extra)
+    return env
+
+
+def run(*argv: str | Path, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in argv],
+        capture_output=True,
+        text=True,
+        env=_environ(**extra_env),
+        timeout=60,
+        check=False,
+    )

@@ -1,0 +1,287 @@
+"""``worker status`` and ``worker outbox list|retry``, run for real against PostgreSQL and RabbitMQ.
+
+Rows are written with SQL; the queues exist only after the topology was declared, as a worker
+would; status must report what it can read and say which service it could not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import subprocess
+
+import aio_pika
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until, worker_environ
+from tests.integration.support import ROUTING_KEY, add_outbox_row, declare, park, running_relay
+from worker.ops import admin
+from worker.settings import Settings
+
+
+async def worker(settings: Settings, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """``worker *argv`` in a subprocess, off the event loop (the broker connection stays alive)."""
+    return await asyncio.to_thread(run, WORKER_SCRIPT, *argv, **worker_environ(settings, **env))
+
+
+async def add_inbox_keys(engine: AsyncEngine) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO inbox (handler, key, fingerprint, status, recovery_point, "
+                "routing_key, owner, lease_until, updated_at) VALUES "
+                "('h', 'done-1', '\\x00', 'completed', NULL, 'r', NULL, NULL, now()), "
+                "('h', 'done-2', '\\x00', 'completed', NULL, 'r', NULL, NULL, now()), "
+                "('h', 'broken', '\\x00', 'failed', NULL, 'r', NULL, NULL, now()), "
+                "('order.placed', 'order-1', '\\x00', 'in_progress', 'reserve_inventory', "
+                "'order.placed', 'delivery-1', now(), now() - interval '5 min')"
+            )
+        )
+
+
+async def given_a_busy_worker(
+    engine: AsyncEngine, amqp: AbstractRobustConnection, settings: Settings
+) -> None:
+    """The topology with one ready message; two pending outbox rows (one waiting for a retry,
+    the oldest a minute old), one parked, and inbox keys of every status."""
+    await declare(amqp, settings)
+    async with amqp.channel() as channel:
+        await channel.default_exchange.publish(
+            aio_pika.Message(b"{}", message_id="m-1"), routing_key=settings.queue
+        )
+    await add_outbox_row(engine, settings, age=60.0)
+    await add_outbox_row(engine, settings, waiting=True)
+    await park(engine, settings)
+    await add_inbox_keys(engine)
+
+
+def line(output: str, label: str) -> str:
+    """The value printed after ``label`` on its line of ``worker status``."""
+    found = re.search(rf"^{re.escape(label)}\s+(.*)$", output, re.MULTILINE)
+    assert found is not None, f"no line {label!r} in:\n{output}"
+    return found.group(1)
+
+
+async def test_status_shows_queues_outbox_inbox_and_workflows(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    await given_a_busy_worker(engine, amqp, settings)
+
+    result = await worker(settings, "status")
+
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert line(out, f"queue {settings.queue}") == "messages=1 consumers=0"
+    assert line(out, f"queue {settings.dead_letter_queue}") == "messages=0 consumers=0"
+    for delay in settings.retry_delays:
+        assert line(out, f"queue {settings.retry_queue(delay)}") == "messages=0 consumers=0"
+    backlog = re.fullmatch(r"2 \(oldest (\d+\.\d)s\)", line(out, "outbox backlog"))
+    assert backlog is not None
+    assert 60 <= float(backlog.group(1)) < 120
+    assert line(out, "outbox waiting for a retry") == "1"
+    assert line(out, "outbox parked") == "1"
+    assert line(out, "inbox completed") == "2"
+    assert line(out, "inbox failed") == "1"
+    assert line(out, "inbox in_progress") == "1"
+    workflows = line(out, "workflows in progress")
+    assert workflows.startswith("1 (oldest: handler=order.placed key=order-1 ")
+    assert "recovery_point=reserve_inventory" in workflows
+
+
+async def test_status_json_is_one_object(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    await given_a_busy_worker(engine, amqp, settings)
+
+    result = await worker(settings, "status", "--json")
+
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    queues = {queue["name"]: queue for queue in status["queues"]}
+    assert queues[settings.queue] == {
+        "role": "work",
+        "name": settings.queue,
+        "exists": True,
+        "messages": 1,
+        "consumers": 0,
+    }
+    assert queues[settings.dead_letter_queue]["role"] == "dead letters"
+    assert len(queues) == 2 + len(settings.retry_delays)
+    outbox = status["database"]["outbox"]
+    assert 60 <= outbox.pop("oldest_age_seconds") < 120
+    assert outbox == {"backlog": 2, "waiting_for_retry": 1, "parked": 1}
+    assert status["database"]["inbox"] == {"in_progress": 1, "completed": 2, "failed": 1}
+    workflows = status["database"]["workflows"]
+    assert workflows["in_progress"] == 1
+    assert workflows["oldest"]["key"] == "order-1"
+    assert workflows["oldest"]["recovery_point"] == "reserve_inventory"
+    assert status["errors"] == {}
+
+
+async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
+    settings: Settings,
+) -> None:
+    result = await worker(settings, "status", "--json")
+
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    assert {queue["exists"] for queue in status["queues"]} == {False}
+    assert status["database"]["outbox"] == {
+        "backlog": 0,
+        "oldest_age_seconds": None,
+        "waiting_for_retry": 0,
+        "parked": 0,
+    }
+    assert status["database"]["workflows"] == {"in_progress": 0, "oldest": None}
+    text_result = await worker(settings, "status")
+    assert line(text_result.stdout, f"queue {settings.queue}") == "missing"
+    assert line(text_result.stdout, "outbox backlog") == "0"
+
+
+async def test_status_with_an_unreachable_database_exits_1_and_still_shows_the_broker(
+    settings: Settings, amqp: AbstractRobustConnection
+) -> None:
+    await declare(amqp, settings)
+
+    result = await worker(
+        settings, "status", WORKER_DATABASE_URL="postgresql://postgres@127.0.0.1:1/x"
+    )
+
+    assert result.returncode == 1
+    assert "PostgreSQL at postgresql://postgres@127.0.0.1:1/x" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert line(result.stdout, "database") == "unavailable"
+    assert line(result.stdout, f"queue {settings.queue}") == "messages=0 consumers=0"
+
+
+async def test_status_with_an_unreachable_broker_exits_1_and_still_shows_the_database(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    await park(engine, settings)
+
+    result = await worker(
+        settings, "status", "--json", WORKER_AMQP_URL="amqp://guest:secret@127.0.0.1:1/"
+    )
+
+    assert result.returncode == 1
+    assert "RabbitMQ at amqp://guest:***@127.0.0.1:1/" in result.stderr
+    assert "secret" not in result.stderr + result.stdout
+    status = json.loads(result.stdout)
+    assert status["queues"] is None
+    assert status["database"]["outbox"]["parked"] == 1
+    assert set(status["errors"]) == {"broker"}
+
+
+async def test_outbox_list_shows_the_parked_rows(settings: Settings, engine: AsyncEngine) -> None:
+    row_id, message_id = await park(engine, settings, ordering_key="acct-1")
+
+    result = await worker(settings, "outbox", "list")
+    as_json = await worker(settings, "outbox", "list", "--json")
+
+    assert result.returncode == 0, result.stderr
+    assert f"id={row_id} message_id={message_id} exchange={settings.exchange} " in result.stdout
+    assert f"routing_key={ROUTING_KEY} ordering_key=acct-1 attempts=1 " in result.stdout
+    assert "last_error='unroutable: NO_ROUTE'" in result.stdout
+    assert "1 parked outbox row(s) shown" in result.stdout
+    assert as_json.returncode == 0, as_json.stderr
+    (row,) = [json.loads(text_line) for text_line in as_json.stdout.splitlines()]
+    assert row["id"] == row_id
+    assert row["message_id"] == str(message_id)
+    assert row["attempts"] == 1
+    assert row["last_error"] == "unroutable: NO_ROUTE"
+    assert set(row) == {
+        "id",
+        "message_id",
+        "exchange",
+        "routing_key",
+        "attempts",
+        "last_error",
+        "created_at",
+        "parked_at",
+        "ordering_key",
+    }
+
+
+async def test_outbox_retry_moves_a_parked_row_back_under_its_message_id(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    row_id, message_id = await park(engine, settings)
+    other_id, _ = await park(engine, settings)
+
+    result = await worker(settings, "outbox", "retry", "--id", str(row_id))
+
+    assert result.returncode == 0, result.stderr
+    assert "1 parked outbox row(s) moved back into the outbox" in result.stdout
+    ((new_id, attempts, last_error, due),) = await rows(
+        engine,
+        "SELECT id, attempts, last_error, available_at <= now() FROM outbox WHERE message_id = :m",
+        m=message_id,
+    )
+    assert new_id > other_id  # a new identity, after every earlier row
+    assert f"retried id={row_id} as id={new_id} message_id={message_id}" in result.stdout
+    assert (attempts, last_error, due) == (0, "unroutable: NO_ROUTE", True)
+    parked = await rows(engine, "SELECT id FROM outbox_parked")
+    assert parked == [(other_id,)]
+
+
+async def test_outbox_retry_names_ids_that_were_not_parked(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    result = await worker(settings, "outbox", "retry", "--id", "424242")
+
+    assert result.returncode == 0, result.stderr
+    assert "not parked: 424242" in result.stderr
+    assert "0 parked outbox row(s) moved" in result.stdout
+
+
+async def test_outbox_retry_needs_ids_or_all(settings: Settings) -> None:
+    neither = await worker(settings, "outbox", "retry")
+    both = await worker(settings, "outbox", "retry", "--id", "1", "--all")
+
+    assert neither.returncode == 2
+    assert "one of the arguments --id --all is required" in neither.stderr
+    assert both.returncode == 2
+    assert "not allowed with argument" in both.stderr
+
+
+async def test_retry_all_keeps_the_relative_order_and_puts_a_key_after_its_newer_rows(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    first_id, first = await park(engine, settings, ordering_key="acct-1")
+    second_id, second = await park(engine, settings, ordering_key="acct-1")
+    _, newer = await add_outbox_row(engine, settings, ordering_key="acct-1")
+
+    retried = await admin.retry_parked_outbox(settings, None)
+
+    assert [(row.parked_id, row.message_id) for row in retried.rows] == [
+        (first_id, first),
+        (second_id, second),
+    ]
+    assert retried.not_parked == []
+    order = await rows(engine, "SELECT message_id FROM outbox ORDER BY id")
+    assert [message_id for (message_id,) in order] == [newer, first, second]
+    assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
+
+
+async def test_a_relay_publishes_a_retried_row_under_its_message_id(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    await declare(amqp, settings)
+    row_id, message_id = await park(engine, settings)
+    await admin.retry_parked_outbox(settings, [row_id])
+
+    async with running_relay(settings):
+
+        async def published() -> bool:
+            return bool(await scalar(engine, "SELECT count(*) FROM outbox") == 0)
+
+        await wait_until(published)
+
+    async with amqp.channel() as channel:
+        queue = await channel.declare_queue(settings.queue, passive=True)
+        message = await queue.get(no_ack=True, fail=False)
+    assert message is not None
+    assert message.message_id == str(message_id)

@@ -1,0 +1,60 @@
+"""The one classifier of failures: what a later attempt may get past, and what it never will."""
+
+from __future__ import annotations
+
+import aiormq.exceptions
+import pytest
+
+from worker.errors import HandlerFailed, Retryable, is_transient
+
+
+class _SqlState(Exception):
+    def __init__(self, sqlstate: str) -> None:
+        super().__init__(sqlstate)
+        self.sqlstate = sqlstate
+
+
+def _caused_by(cause: BaseException) -> Exception:
+    try:
+        raise RuntimeError("wrapper") from cause
+    except RuntimeError as exc:
+        return exc
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        Retryable("try later"),
+        TimeoutError(),
+        ConnectionResetError(),
+        aiormq.exceptions.ChannelInvalidStateError("channel closed"),
+        _SqlState("40001"),
+        _SqlState("40P01"),
+        _SqlState("08006"),
+        _caused_by(_SqlState("57P01")),
+        # aiormq, opening a channel while a robust connection reconnects (found by the soak)
+        RuntimeError('<Connection: "amqp://guest:******@localhost:5672/" at 0x7f> closed'),
+        RuntimeError("<RobustChannel object at 0x7f> closed"),
+        # refused credentials are not the message's fault (at start-up they are not retried:
+        # see tests/integration/test_tls_and_auth.py)
+        aiormq.exceptions.AuthenticationError("wrong password"),
+        # aio-pika, a channel asked of a robust connection between reconnects (the soak again)
+        RuntimeError("Connection was not opened"),
+    ],
+)
+def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:
+    assert is_transient(exc)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ValueError("bad amount"),
+        HandlerFailed("boom"),
+        _SqlState("23505"),  # unique violation
+        _caused_by(KeyError("account")),
+        RuntimeError("the ledger is closed"),
+    ],
+)
+def test_bugs_and_bad_data_are_permanent(exc: BaseException) -> None:
+    assert not is_transient(exc)
