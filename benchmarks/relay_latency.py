@@ -48,12 +48,12 @@ from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMess
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import Context, Router
-from worker.core.context import OutboxMessage
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER
 from worker.database import create_engine
 from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
 from worker.sql import outbox
+from worker.sql.rows import OutboxMessage
 from worker.testing import scratch_database
 from worker.transport.topology import delete_topology, queue_names
 

@@ -102,11 +102,11 @@ from benchmarks.relay_latency import (
 )
 from examples.payments import router as payments_router
 from examples.payments.demo import DemoPlan, plan_payments, request_message
-from worker.core.context import OutboxMessage
 from worker.database import create_engine
 from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
 from worker.sql import outbox
+from worker.sql.rows import OutboxMessage
 from worker.testing import scratch_database
 from worker.transport.topology import declare_topology
 

@@ -1,17 +1,20 @@
 """worker: an asyncio RabbitMQ worker with exactly-once effects in PostgreSQL and an outbox."""
 
-from worker.core.context import Batch, Context, OutboxMessage
+from worker.core.context import Batch, Context
 from worker.core.envelope import Delivery
-from worker.core.router import Handler, Router
+from worker.core.handler import Handler, HandlerKind
+from worker.core.router import Router
 from worker.core.workflows import Workflow, WorkflowBusy
 from worker.errors import Permanent, Rejected, Retryable, WorkerError
 from worker.settings import Settings
+from worker.sql.rows import OutboxMessage
 
 __all__ = [
     "Batch",
     "Context",
     "Delivery",
     "Handler",
+    "HandlerKind",
     "OutboxMessage",
     "Permanent",
     "Rejected",

@@ -4,7 +4,7 @@
 in a session-scoped pytest fixture, say, or before ``asyncio.run``.
 
 ``Harness`` delivers messages to a router without RabbitMQ, through the worker's own code: the
-checks of ``open_envelope``, then ``unit_of_work.process`` (or ``workflows.run`` for a workflow),
+checks of ``open_envelope``, then ``unit_of_work.apply`` (one transaction, or a workflow's run),
 the real inbox claim and the real outbox insert, all committed to your test database. Only the
 transport is in memory: a rejected delivery is kept in ``Harness.dead_letters`` (its key recorded
 as failed, as the worker records it) instead of a dead-letter queue, and ``Harness.relay`` drains
@@ -47,8 +47,9 @@ from urllib.parse import urlsplit, urlunsplit
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, schema
-from worker.core import workflows
+from worker.core import unit_of_work
 from worker.core.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
+from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     IDEMPOTENCY_KEY_HEADER,
     Delivery,
@@ -166,12 +167,12 @@ class Harness:
     """Delivers messages to ``router``'s handlers on ``engine`` as the worker would, minus
     RabbitMQ; one delivery at a time, each committed before ``deliver`` returns.
 
-    Like the consumer: ``open_envelope`` checks the delivery, then ``workflows.run`` (workflow
-    handlers, holding a lease of ``workflow_lease`` seconds) or ``unit_of_work.process`` runs
-    it, tried up to ``transient_attempts`` times while it fails transiently. Where a failure
-    goes, the worker's own policy decides (``policy.decide``, with ``retry_delays``): a delivery
-    it parks is dead-lettered here, not raised, returned and kept in ``dead_letters``, and a
-    keyed one has its key recorded as failed when the policy says so (not for ``key-reused``).
+    Like the consumer: ``open_envelope`` checks the delivery, then ``unit_of_work.apply`` runs it
+    (one transaction, or a workflow's run holding a lease of ``workflow_lease`` seconds), tried up
+    to ``transient_attempts`` times while it fails transiently. Where a failure goes, the worker's
+    own policy decides (``policy.decide``, with ``retry_delays``): a delivery it parks is
+    dead-lettered here, not raised, returned and kept in ``dead_letters``, and a keyed one has its
+    key recorded as failed when the policy says so (not for ``key-reused``).
     Unlike the consumer: a failure the worker would retry later (a delayed retry), park as
     ``internal-error`` (a bug it logs) or pause for (the deployment's fault: a missing table or
     privilege) is raised to the test; the database is the test's, so it is never probed; the
@@ -315,11 +316,10 @@ class Harness:
                 max_depth=self.max_json_depth,
             )
             outcome: Outcome = await backoff.in_process(self.transient_attempts, log)(
-                workflows.apply,
+                unit_of_work.apply,
                 self.engine,
                 envelope,
-                default_exchange=self.exchange,
-                lease=self.workflow_lease,
+                UnitOfWorkConfig(exchange=self.exchange, workflow_lease=self.workflow_lease),
             )
         except Exception as exc:
             facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
@@ -350,7 +350,7 @@ class Harness:
         if envelope is not None and park.record_key:
             async with self.engine.begin() as conn:
                 await inbox.record_failure(
-                    conn, envelope, error=failure.error, attempts=failure.attempts
+                    conn, envelope.claim, error=failure.error, attempts=failure.attempts
                 )
         return Delivered(
             delivery,

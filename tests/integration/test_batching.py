@@ -20,6 +20,7 @@ from examples.payments import router as payments
 from tests.helpers import broker_depth, envelope, payment, rows, scalar, wait_until
 from tests.integration.support import running_worker, wait_for_consumer, worker_process
 from worker import Batch, Context, Router
+from worker.core.config import UnitOfWorkConfig
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import process_batch
 from worker.errors import HandlerFailed, KeyReused
@@ -28,6 +29,7 @@ from worker.settings import Settings
 from worker.transport.topology import declare_topology
 
 EXCHANGE = "events"
+UNIT = UnitOfWorkConfig(exchange=EXCHANGE)
 REQUESTED = "payment.requested"
 
 
@@ -46,7 +48,7 @@ async def test_a_batch_commits_every_effect_with_running_balances(engine: AsyncE
     ]
 
     # When they are processed together
-    ends = await process_batch(engine, batch, default_exchange=EXCHANGE)
+    ends = await process_batch(engine, batch, UNIT)
 
     # Then each took effect once, and each event carries its account's balance after it
     assert ends == [Outcome.PROCESSED] * 5
@@ -78,7 +80,7 @@ async def test_a_key_twice_in_one_batch_takes_effect_once(engine: AsyncEngine) -
     ]
 
     # When it is processed
-    ends = await process_batch(engine, batch, default_exchange=EXCHANGE)
+    ends = await process_batch(engine, batch, UNIT)
 
     # Then the first delivery of each key ran; the repeat is a duplicate, the reuse rejected
     assert ends[:3] == [Outcome.PROCESSED, Outcome.PROCESSED, Outcome.DUPLICATE]
@@ -89,7 +91,7 @@ async def test_a_key_twice_in_one_batch_takes_effect_once(engine: AsyncEngine) -
 
 async def test_keys_committed_before_are_duplicates_in_a_batch(engine: AsyncEngine) -> None:
     # Given a completed key and a failed one
-    await process_batch(engine, [requested("p1")], default_exchange=EXCHANGE)
+    await process_batch(engine, [requested("p1")], UNIT)
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -101,7 +103,7 @@ async def test_keys_committed_before_are_duplicates_in_a_batch(engine: AsyncEngi
     # When a batch brings both again (p9 with p1's body, so the same fingerprint) and a new one
     again = requested("p1")
     failed = envelope(payments, REQUESTED, payment("p1"), "p9")
-    ends = await process_batch(engine, [again, failed, requested("p2")], default_exchange=EXCHANGE)
+    ends = await process_batch(engine, [again, failed, requested("p2")], UNIT)
 
     # Then only the new one runs
     assert ends == [Outcome.DUPLICATE, Outcome.DUPLICATE_OF_FAILED, Outcome.PROCESSED]
@@ -114,7 +116,7 @@ async def test_a_failing_handler_rolls_the_whole_batch_back(engine: AsyncEngine)
 
     # When it is processed, the ledger's primary key fails it
     with pytest.raises(HandlerFailed, match="IntegrityError"):
-        await process_batch(engine, batch, default_exchange=EXCHANGE)
+        await process_batch(engine, batch, UNIT)
 
     # Then nothing of it committed
     for table in ("inbox", "accounts", "ledger_entries", "outbox"):
@@ -142,7 +144,7 @@ async def test_plain_and_batch_handlers_share_one_transaction(engine: AsyncEngin
     batch += [envelope(router, "one", n, f"o{n}") for n in (5, 6)]
 
     # When they are processed together
-    ends = await process_batch(engine, batch, default_exchange=EXCHANGE)
+    ends = await process_batch(engine, batch, UNIT)
 
     # Then the batch handler ran once for its three, in key order; the plain one per message
     assert ends == [Outcome.PROCESSED] * 5
@@ -161,7 +163,7 @@ async def test_a_batch_handler_must_return_one_result_per_body(engine: AsyncEngi
 
     batch = [envelope(router, "many", n, f"m{n}") for n in (1, 2)]
     with pytest.raises(HandlerFailed, match="returned 1 results for 2 messages"):
-        await process_batch(engine, batch, default_exchange=EXCHANGE)
+        await process_batch(engine, batch, UNIT)
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
 
 
@@ -179,9 +181,7 @@ async def test_concurrent_batches_over_the_same_keys_neither_deadlock_nor_repeat
 
     # When they run concurrently (deadlocks would surface as errors or as a hang)
     ends = await asyncio.wait_for(
-        asyncio.gather(
-            *(process_batch(engine, batch, default_exchange=EXCHANGE) for batch in batches)
-        ),
+        asyncio.gather(*(process_batch(engine, batch, UNIT) for batch in batches)),
         timeout=30,
     )
 

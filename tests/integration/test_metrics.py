@@ -21,7 +21,6 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import wait_until
 from tests.integration.support import BASE, HANG_GUARD, request
-from worker.core.context import OutboxMessage
 from worker.database import create_engine
 from worker.errors import PauseReason
 from worker.ops.health import Health, Monitor
@@ -29,6 +28,7 @@ from worker.ops.http import HttpServer, local_url
 from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql import outbox
+from worker.sql.rows import OutboxMessage
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
 

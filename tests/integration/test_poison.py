@@ -30,10 +30,10 @@ from examples.payments import router as payments
 from tests.helpers import broker_depth, payment, rows, scalar, wait_until
 from tests.integration.support import RunningWorker, dead_letters, publish, running_worker
 from worker import Context, Router, schema
-from worker.core.envelope import MAX_ATTEMPTS
 from worker.errors import ConfigurationError
 from worker.ops import runner
 from worker.settings import Settings
+from worker.sql.rows import MAX_ATTEMPTS
 from worker.testing import empty_database
 
 QUIET = 3.0

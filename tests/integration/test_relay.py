@@ -27,10 +27,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from examples.payments import router as payments
 from tests.helpers import payment, rows, scalar, wait_until
 from tests.integration.support import running_relay, running_worker, worker_process
-from worker.core.context import OutboxMessage
 from worker.faults import RELAY_AFTER_PUBLISH
 from worker.settings import Settings
 from worker.sql import outbox
+from worker.sql.rows import OutboxMessage
 
 
 @dataclass

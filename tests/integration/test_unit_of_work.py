@@ -15,11 +15,13 @@ from examples.payments import router as payments
 from tests.helpers import envelope, payment, rows, scalar
 from worker import Context, Retryable, Router
 from worker.core.codec import fingerprint
+from worker.core.config import UnitOfWorkConfig
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import process
 from worker.errors import HandlerFailed, KeyReused
 
 EXCHANGE = "events"
+UNIT = UnitOfWorkConfig(exchange=EXCHANGE)
 
 
 async def test_effect_inbox_and_outbox_commit_together(engine: AsyncEngine) -> None:
@@ -34,7 +36,7 @@ async def test_effect_inbox_and_outbox_commit_together(engine: AsyncEngine) -> N
     )
 
     # When it is processed
-    outcome = await process(engine, env, default_exchange=EXCHANGE)
+    outcome = await process(engine, env, UNIT)
 
     # Then the effect, the inbox row and the outbox row are all there
     assert outcome is Outcome.PROCESSED
@@ -74,12 +76,8 @@ async def test_a_completed_key_is_a_duplicate_and_the_handler_does_not_run(
     async def count(body: dict[str, Any], ctx: Context) -> None:
         calls.append(ctx.key)
 
-    first = await process(
-        engine, envelope(router, "count.me", {"n": 1}, "k"), default_exchange=EXCHANGE
-    )
-    second = await process(
-        engine, envelope(router, "count.me", {"n": 1}, "k"), default_exchange=EXCHANGE
-    )
+    first = await process(engine, envelope(router, "count.me", {"n": 1}, "k"), UNIT)
+    second = await process(engine, envelope(router, "count.me", {"n": 1}, "k"), UNIT)
 
     assert (first, second) == (Outcome.PROCESSED, Outcome.DUPLICATE)
     assert calls == ["k"]
@@ -88,12 +86,8 @@ async def test_a_completed_key_is_a_duplicate_and_the_handler_does_not_run(
 async def test_same_payload_with_other_key_order_is_still_a_duplicate(engine: AsyncEngine) -> None:
     body_a = b'{"payment_id": "p1", "account": "alice", "amount_cents": 5}'
     body_b = b'{"amount_cents":5,"account":"alice","payment_id":"p1"}'
-    await process(
-        engine, envelope(payments, "payment.requested", body_a, "k"), default_exchange=EXCHANGE
-    )
-    outcome = await process(
-        engine, envelope(payments, "payment.requested", body_b, "k"), default_exchange=EXCHANGE
-    )
+    await process(engine, envelope(payments, "payment.requested", body_a, "k"), UNIT)
+    outcome = await process(engine, envelope(payments, "payment.requested", body_b, "k"), UNIT)
     assert outcome is Outcome.DUPLICATE
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 5
 
@@ -104,14 +98,14 @@ async def test_a_key_reused_with_another_payload_is_refused_and_the_first_effect
     await process(
         engine,
         envelope(payments, "payment.requested", payment("p1", amount_cents=100), "k"),
-        default_exchange=EXCHANGE,
+        UNIT,
     )
 
     with pytest.raises(KeyReused, match="idempotency key reused with a different payload"):
         await process(
             engine,
             envelope(payments, "payment.requested", payment("p1", amount_cents=999), "k"),
-            default_exchange=EXCHANGE,
+            UNIT,
         )
 
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 100
@@ -131,7 +125,7 @@ async def test_a_handler_exception_rolls_back_effect_inbox_and_outbox(engine: As
         raise ValueError("boom")
 
     with pytest.raises(HandlerFailed, match="ValueError: boom"):
-        await process(engine, envelope(router, "explode", {}, "k"), default_exchange=EXCHANGE)
+        await process(engine, envelope(router, "explode", {}, "k"), UNIT)
 
     assert await scalar(engine, "SELECT count(*) FROM accounts") == 0
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
@@ -149,7 +143,7 @@ async def test_a_result_the_database_cannot_store_fails_the_message_not_the_work
         return "\x00"  # jsonb cannot hold NUL
 
     with pytest.raises(HandlerFailed):
-        await process(engine, envelope(router, "nul", {}, "k"), default_exchange=EXCHANGE)
+        await process(engine, envelope(router, "nul", {}, "k"), UNIT)
     assert await scalar(engine, "SELECT count(*) FROM outbox") == 0
 
 
@@ -163,7 +157,7 @@ async def test_a_transient_failure_propagates_as_it_is_for_the_caller_to_retry(
         raise Retryable("gateway busy")
 
     with pytest.raises(Retryable):
-        await process(engine, envelope(router, "flaky", {}, "k"), default_exchange=EXCHANGE)
+        await process(engine, envelope(router, "flaky", {}, "k"), UNIT)
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
 
 
@@ -182,7 +176,7 @@ async def test_publish_names_exchange_headers_and_ordering_key(engine: AsyncEngi
             content_type="text/plain",
         )
 
-    await process(engine, envelope(router, "fan.out", {}, "k"), default_exchange=EXCHANGE)
+    await process(engine, envelope(router, "fan.out", {}, "k"), UNIT)
 
     events = await rows(
         engine,
@@ -249,13 +243,13 @@ async def test_concurrent_deliveries_of_one_key_have_exactly_one_effect(
     router = _gated_router(gate, calls, fail_first=not first_commits)
     body = payment("p1", "alice", 700)
     first = asyncio.create_task(
-        process(engine, envelope(router, "payment.requested", body, "k"), default_exchange=EXCHANGE)
+        process(engine, envelope(router, "payment.requested", body, "k"), UNIT)
     )
     await gate.entered.wait()
 
     # When a second delivery of the same key arrives meanwhile
     second = asyncio.create_task(
-        process(engine, envelope(router, "payment.requested", body, "k"), default_exchange=EXCHANGE)
+        process(engine, envelope(router, "payment.requested", body, "k"), UNIT)
     )
     await _wait_for_lock_waiter(engine)
     assert not second.done()  # it waits on the uncommitted inbox row

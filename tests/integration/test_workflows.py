@@ -17,6 +17,7 @@ from tests.helpers import envelope, rows, scalar, wait_until
 from tests.integration.support import dead_letters, publish, running_worker, settled
 from worker import Context, Permanent, Retryable, Router, Workflow, WorkflowBusy
 from worker.core import workflows
+from worker.core.config import UnitOfWorkConfig
 from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed
 from worker.ops import dlq
@@ -198,7 +199,7 @@ async def test_a_live_lease_is_respected_and_an_expired_one_taken_over(
         )
 
     async def run() -> Outcome:
-        return await workflows.run(engine, trip, default_exchange=settings.exchange, lease=30)
+        return await workflows.run(engine, trip, UnitOfWorkConfig(exchange=settings.exchange))
 
     # When another delivery runs it while the lease is live, it is refused and runs nothing
     with pytest.raises(WorkflowBusy):
@@ -244,7 +245,7 @@ async def test_a_step_being_committed_is_not_taken_over_even_with_an_expired_lea
         # Then a delivery does not wait for it and does not take it over
         with pytest.raises(WorkflowBusy):
             await asyncio.wait_for(
-                workflows.run(engine, trip, default_exchange=settings.exchange, lease=30), 10
+                workflows.run(engine, trip, UnitOfWorkConfig(exchange=settings.exchange)), 10
             )
         await transaction.rollback()
     finally:
@@ -268,6 +269,6 @@ async def test_a_step_name_used_twice_fails_the_workflow(
 
     with pytest.raises(HandlerFailed, match="called twice"):
         await workflows.run(
-            engine, envelope(router, "twice", {}, "k-twice"), default_exchange="x", lease=30
+            engine, envelope(router, "twice", {}, "k-twice"), UnitOfWorkConfig(exchange="x")
         )
     assert await scalar(engine, "SELECT owner FROM inbox WHERE key = 'k-twice'") is None

@@ -17,21 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from worker import tracing
 from worker.core.codec import JSON_CONTENT_TYPE, encode_json
 from worker.core.envelope import Envelope
-
-
-@dataclass(frozen=True)
-class OutboxMessage:
-    """An event recorded by a handler, published by the relay after the transaction commits."""
-
-    message_id: uuid.UUID
-    exchange: str
-    routing_key: str
-    body: bytes
-    content_type: str
-    headers: Mapping[str, Any]
-    correlation_id: str | None
-    causation_id: str | None
-    ordering_key: str | None
+from worker.sql.rows import OutboxMessage
 
 
 class _Session:

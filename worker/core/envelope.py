@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.core.codec import DEFAULT_MAX_DEPTH, decode_fingerprinted
-from worker.core.router import Handler, Router
+from worker.core.handler import Handler, Handlers
 from worker.errors import (
     BodyTooLarge,
     InvalidKey,
@@ -21,6 +21,7 @@ from worker.errors import (
     NoHandler,
     Rejected,
 )
+from worker.sql.rows import MAX_ATTEMPTS, InboxKey, KeyClaim
 
 IDEMPOTENCY_KEY_HEADER = "idempotency-key"
 CORRELATION_HEADER = "correlation-id"
@@ -28,11 +29,6 @@ MAX_KEY_LENGTH = 512
 
 ATTEMPTS_HEADER = "x-worker-attempts"
 """How many deliveries of this message failed before (set on delayed retries and dead letters)."""
-
-MAX_ATTEMPTS = 1_000_000
-"""The most attempts a delivery is taken to have made, this one included: a forged
-``x-worker-attempts`` of 2**40 counts as this many (past any retry chain), and sums of it fit
-the inbox's integer column."""
 
 ROUTING_KEY_HEADER = "x-worker-original-routing-key"
 """The routing key a message was first published with, kept when it travels through the
@@ -73,6 +69,22 @@ class Envelope:
     key: str
     payload: Any
     fingerprint: bytes
+
+    @property
+    def inbox_key(self) -> InboxKey:
+        """(handler name, idempotency key): the effect this envelope applies."""
+        return self.handler.name, self.key
+
+    @property
+    def claim(self) -> KeyClaim:
+        """The inbox row this envelope claims, or records as failed."""
+        return KeyClaim(
+            self.handler.name,
+            self.key,
+            self.fingerprint,
+            self.delivery.message_id,
+            self.delivery.routing_key,
+        )
 
     @property
     def correlation_id(self) -> str:
@@ -130,7 +142,7 @@ def key_or_none(delivery: Delivery) -> str | None:
 
 def open_envelope(
     delivery: Delivery,
-    router: Router,
+    router: Handlers,
     *,
     max_body_bytes: int,
     max_depth: int = DEFAULT_MAX_DEPTH,

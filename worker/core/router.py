@@ -10,14 +10,13 @@ from __future__ import annotations
 import inspect
 import typing
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import MetaData
 
-from worker.errors import HandlerRegistrationError, InvalidBody
+from worker.core.handler import Handler, HandlerKind
+from worker.errors import HandlerRegistrationError
 
 if TYPE_CHECKING:
     from worker.core.context import Batch, Context
@@ -26,33 +25,6 @@ if TYPE_CHECKING:
 HandlerFunc = Callable[[Any, "Context"], Awaitable[Any]]
 WorkflowFunc = Callable[[Any, "Workflow"], Awaitable[Any]]
 BatchHandlerFunc = Callable[[list[Any], "Batch"], Awaitable["Sequence[Any] | None"]]
-
-
-@dataclass(frozen=True)
-class Handler:
-    """A registered handler. ``name`` and the idempotency key identify an effect in the inbox."""
-
-    name: str
-    routing_key: str
-    func: Callable[[Any, Any], Awaitable[Any]]
-    body_type: Any
-    workflow: bool = False
-    batch: bool = False
-    adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "adapter", TypeAdapter(self.body_type))
-
-    def validate(self, value: Any) -> Any:
-        """``value`` (decoded JSON) validated into the handler's body type, or ``InvalidBody``."""
-        try:
-            return self.adapter.validate_python(value)
-        except ValidationError as exc:
-            errors = "; ".join(
-                f"{'.'.join(str(p) for p in err['loc']) or '<body>'}: {err['msg']}"
-                for err in exc.errors(include_url=False)
-            )
-            raise InvalidBody(f"body failed validation: {errors}") from exc
 
 
 def _body_type(func: Callable[..., Awaitable[Any]], *, batch: bool = False) -> Any:
@@ -133,8 +105,10 @@ class Router:
         def register(func: WorkflowFunc) -> WorkflowFunc:
             if not inspect.iscoroutinefunction(func):
                 raise HandlerRegistrationError(f"workflow {func.__qualname__} must be async def")
-            handler = Handler(name or routing_key, routing_key, func, _body_type(func), True)
-            self._add(handler)
+            body_type = _body_type(func)
+            self._add(
+                Handler(name or routing_key, routing_key, func, body_type, HandlerKind.WORKFLOW)
+            )
             return func
 
         return register
@@ -157,7 +131,7 @@ class Router:
                     f"batch handler {func.__qualname__} must be async def"
                 )
             body_type = _body_type(func, batch=True)
-            self._add(Handler(name or routing_key, routing_key, func, body_type, batch=True))
+            self._add(Handler(name or routing_key, routing_key, func, body_type, HandlerKind.BATCH))
             return func
 
         return register

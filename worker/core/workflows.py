@@ -25,11 +25,12 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from worker.core.claims import claim, duplicate
 from worker.core.codec import to_jsonable
+from worker.core.config import UnitOfWorkConfig
 from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.outcomes import Outcome
-from worker.core.unit_of_work import claim, duplicate, process
 from worker.errors import HandlerFailed, Rejected, Retryable, is_transient
 from worker.faults import crash_point
 from worker.sql import inbox, outbox
@@ -55,22 +56,16 @@ class Workflow:
         self,
         engine: AsyncEngine,
         envelope: Envelope,
+        config: UnitOfWorkConfig,
         *,
         owner: str,
-        lease: float,
         outputs: dict[str, Any],
-        default_exchange: str,
-        notify: bool,
-        on_events: Callable[[], None] | None,
     ) -> None:
         self.engine = engine
         self.envelope = envelope
+        self.config = config
         self.owner = owner
-        self.lease = lease
         self.outputs = dict(outputs)
-        self.default_exchange = default_exchange
-        self.notify = notify
-        self.on_events = on_events
         self._called: list[str] = []
 
     @property
@@ -96,11 +91,11 @@ class Workflow:
         async with self.engine.connect() as conn, conn.begin():
             if not await inbox.hold_workflow(conn, handler, self.key, self.owner):
                 raise WorkflowBusy(f"workflow {self.key!r} was taken over by another delivery")
-            ctx = Context(conn, self.envelope, self.default_exchange, step=name)
+            ctx = Context(conn, self.envelope, self.config.exchange, step=name)
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()
-                await outbox.append_outbox(conn, ctx.outbox, notify=self.notify)
+                await outbox.append_outbox(conn, ctx.outbox, notify=self.config.notify)
                 await inbox.record_step(
                     conn,
                     handler,
@@ -108,27 +103,19 @@ class Workflow:
                     step=name,
                     position=len(self._called),
                     output=output,
-                    lease=self.lease,
+                    lease=self.config.workflow_lease,
                 )
             finally:
                 await ctx.close()
             crash_point(BEFORE_COMMIT + name)
         crash_point(AFTER_STEP + name)
         self.outputs[name] = output
-        if ctx.outbox and self.on_events is not None:
-            self.on_events()
+        if ctx.outbox:
+            self.config.committed_events()
         return output
 
 
-async def run(
-    engine: AsyncEngine,
-    envelope: Envelope,
-    *,
-    default_exchange: str,
-    lease: float,
-    notify: bool = False,
-    on_events: Callable[[], None] | None = None,
-) -> Outcome:
+async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig) -> Outcome:
     """Run (or resume) the envelope's workflow to its end and mark its key completed.
 
     Raises like ``unit_of_work.process``, plus ``WorkflowBusy`` when a live owner holds the
@@ -137,6 +124,7 @@ async def run(
     """
     handler = envelope.handler
     owner = uuid.uuid4().hex
+    lease = config.workflow_lease
     async with engine.connect() as conn, conn.begin():
         existing = await claim(conn, envelope, owner=owner, lease=lease)
         if existing is not None:
@@ -157,16 +145,7 @@ async def run(
         log.info(
             "resuming workflow %s of %s after %d steps", envelope.key, handler.name, len(outputs)
         )
-    wf = Workflow(
-        engine,
-        envelope,
-        owner=owner,
-        lease=lease,
-        outputs=outputs,
-        default_exchange=default_exchange,
-        notify=notify,
-        on_events=on_events,
-    )
+    wf = Workflow(engine, envelope, config, owner=owner, outputs=outputs)
     try:
         try:
             result = await handler.func(envelope.payload, wf)
@@ -184,27 +163,3 @@ async def run(
                 await inbox.release_workflow(conn, handler.name, envelope.key, owner)
         raise
     return Outcome.PROCESSED
-
-
-async def apply(
-    engine: AsyncEngine,
-    envelope: Envelope,
-    *,
-    default_exchange: str,
-    lease: float,
-    notify: bool = False,
-    on_events: Callable[[], None] | None = None,
-) -> Outcome:
-    """The unit of work of ``envelope``: its workflow's run, or one transaction (``process``)."""
-    if envelope.handler.workflow:
-        return await run(
-            engine,
-            envelope,
-            default_exchange=default_exchange,
-            lease=lease,
-            notify=notify,
-            on_events=on_events,
-        )
-    return await process(
-        engine, envelope, default_exchange=default_exchange, notify=notify, on_events=on_events
-    )

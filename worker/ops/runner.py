@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import schema
 from worker.backoff import while_starting
+from worker.core.handler import HandlerKind
 from worker.core.router import Router
 from worker.database import check_durable_commits, create_engine
 from worker.ops.health import Monitor
@@ -184,7 +185,7 @@ async def run(
             metrics=metrics,
         )
         await consumer.start()
-        if any(h.workflow for h in router.handlers()) and (
+        if any(h.kind is HandlerKind.WORKFLOW for h in router.handlers()) and (
             settings.workflow_lease >= settings.retry_chain
         ):
             log.warning(

@@ -29,6 +29,7 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import database
+from worker.core.handler import HandlerKind
 from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.logs import describe_error
@@ -211,7 +212,9 @@ def sample(items: Sequence[str], total: int) -> str:
 
 
 def _unit_of_work_handlers(router: Router) -> list[str]:
-    return [handler.name for handler in router.handlers() if not handler.workflow]
+    return [
+        handler.name for handler in router.handlers() if handler.kind is not HandlerKind.WORKFLOW
+    ]
 
 
 async def no_stuck_inbox_keys(deployment: Deployment) -> Check:

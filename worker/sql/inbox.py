@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import (
@@ -25,33 +24,19 @@ from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.core.codec import to_jsonable
-from worker.core.envelope import MAX_ATTEMPTS, Envelope
+from worker.sql.rows import MAX_ATTEMPTS, InboxEntry, InboxKey, KeyClaim
 from worker.sql.tables import inbox, workflow_steps
-
-
-@dataclass(frozen=True)
-class InboxEntry:
-    """The committed record of a key that someone else already claimed."""
-
-    status: str
-    fingerprint: bytes
-    result: Any
-    error: str | None
-
-
-InboxKey = tuple[str, str]
-"""(handler name, idempotency key): what identifies an effect in the inbox."""
 
 
 async def claim_keys(
     conn: AsyncConnection,
-    envelopes: Sequence[Envelope],
+    claims: Sequence[KeyClaim],
     *,
     owner: str | None = None,
     lease: float | None = None,
 ) -> set[InboxKey]:
-    """Insert the envelopes' inbox rows in one statement; return the keys it claimed (the others
-    were taken). The envelopes must have distinct keys, in the caller's lock order.
+    """Insert the claims' inbox rows in one statement; return the keys it claimed (the others
+    were taken). The claims must have distinct keys, in the caller's lock order.
 
     A concurrent claim of the same key waits here until the other transaction ends: it then sees
     the committed row (not claimed) or, if the other rolled back, takes the key itself. A
@@ -69,13 +54,13 @@ async def claim_keys(
     )
     rows = [
         {
-            "handler": envelope.handler.name,
-            "key": envelope.key,
-            "fingerprint": envelope.fingerprint,
-            "message_id": envelope.delivery.message_id,
-            "routing_key": envelope.delivery.routing_key,
+            "handler": claim.handler,
+            "key": claim.key,
+            "fingerprint": claim.fingerprint,
+            "message_id": claim.message_id,
+            "routing_key": claim.routing_key,
         }
-        for envelope in envelopes
+        for claim in claims
     ]
     # executemany: SQLAlchemy sends the rows as one multi-row INSERT of a cached statement
     return {(row.handler, row.key) for row in await conn.execute(stmt, rows)}
@@ -137,7 +122,7 @@ async def complete_keys(conn: AsyncConnection, results: Sequence[tuple[str, str,
 
 
 async def record_failure(
-    conn: AsyncConnection, envelope: Envelope, *, error: str, attempts: int
+    conn: AsyncConnection, claim: KeyClaim, *, error: str, attempts: int
 ) -> None:
     """Mark (handler, key) failed with ``error`` unless its effect has committed meanwhile.
 
@@ -145,14 +130,14 @@ async def record_failure(
     ``clear_failure`` (a DLQ replay) lets it run again.
     """
     stmt = insert(inbox).values(
-        handler=envelope.handler.name,
-        key=envelope.key,
-        fingerprint=envelope.fingerprint,
+        handler=claim.handler,
+        key=claim.key,
+        fingerprint=claim.fingerprint,
         status="failed",
         error=error,
         attempts=attempts,
-        message_id=envelope.delivery.message_id,
-        routing_key=envelope.delivery.routing_key,
+        message_id=claim.message_id,
+        routing_key=claim.routing_key,
     )
     await conn.execute(
         stmt.on_conflict_do_update(

@@ -22,7 +22,7 @@ from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.core.codec import to_jsonable
-from worker.core.context import OutboxMessage
+from worker.sql.rows import OutboxMessage
 from worker.sql.tables import outbox, outbox_parked
 
 OUTBOX_CHANNEL = "worker_outbox"

@@ -41,13 +41,15 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, database, logs, schema, tracing
 from worker.backoff import first
-from worker.core import unit_of_work, workflows
+from worker.core import unit_of_work
+from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     ROUTING_KEY_HEADER,
     Delivery,
     Envelope,
     open_envelope,
 )
+from worker.core.handler import HandlerKind
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
 from worker.errors import (
@@ -127,7 +129,12 @@ class Consumer:
         self.metrics = Metrics(stats) if metrics is None else metrics
         if stats is not None and stats is not self.metrics.tally.stats:
             raise ValueError("count into one place: pass Metrics(stats), or stats alone")
-        self.on_events = on_events
+        self.unit_of_work = UnitOfWorkConfig(
+            exchange=settings.exchange,
+            notify=settings.outbox_notify,
+            on_events=on_events,
+            workflow_lease=settings.workflow_lease,
+        )
         self.router = router
         self.engine = engine
         self.connection = connection
@@ -341,7 +348,8 @@ class Consumer:
                 failed.__cause__ = exc
                 rejected.append((message, delivery, failed))
                 continue
-            (alone if envelope.handler.workflow else together).append((message, envelope))
+            runs_alone = envelope.handler.kind is HandlerKind.WORKFLOW
+            (alone if runs_alone else together).append((message, envelope))
         if len(together) > 1:
             await self._process_together(together)
         else:
@@ -370,13 +378,7 @@ class Consumer:
                 ),
                 self.metrics.transaction(handlers.pop() if len(handlers) == 1 else None),
             ):
-                ends = await unit_of_work.process_batch(
-                    self.engine,
-                    envelopes,
-                    default_exchange=self.settings.exchange,
-                    notify=self.settings.outbox_notify,
-                    on_events=self.on_events,
-                )
+                ends = await unit_of_work.process_batch(self.engine, envelopes, self.unit_of_work)
         except Exception as exc:
             log.info(
                 "a batch of %d failed (%r); processing its messages one by one",
@@ -447,15 +449,7 @@ class Consumer:
                 ):
                     outcome: Outcome = await backoff.in_process(
                         self.settings.transient_attempts, log
-                    )(
-                        workflows.apply,
-                        self.engine,
-                        envelope,
-                        default_exchange=self.settings.exchange,
-                        lease=self.settings.workflow_lease,
-                        notify=self.settings.outbox_notify,
-                        on_events=self.on_events,
-                    )
+                    )(unit_of_work.apply, self.engine, envelope, self.unit_of_work)
                     tracing.set_attribute(span, "worker.outcome", outcome.value)
             except Exception as exc:
                 await self.failures.failed(message, delivery, envelope, exc)

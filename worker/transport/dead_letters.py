@@ -24,7 +24,7 @@ from pamqp.encode import field_table
 
 from worker.core.codec import storable
 from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery
-from worker.core.router import Handler
+from worker.core.handler import Handler
 from worker.errors import HandlerFailed
 
 log = logging.getLogger(__name__)

@@ -315,7 +315,7 @@ class Failures:
     async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
         async with self.engine.begin() as conn:
             await inbox.record_failure(
-                conn, envelope, error=failure.error, attempts=failure.attempts
+                conn, envelope.claim, error=failure.error, attempts=failure.attempts
             )
 
     async def _database_answers(self) -> bool:
