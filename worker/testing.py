@@ -327,7 +327,7 @@ class Harness:
             if not isinstance(decision, Park) or decision.unexpected:
                 raise  # a delayed retry, a bug or a pause: the test should say why
             return await self._dead_letter(delivery, envelope, exc, decision)
-        async with self.engine.connect() as conn:
+        async with self.engine.begin() as conn:
             key = (envelope.handler.name, envelope.key)
             entry = (await inbox.fetch_keys(conn, [key])).get(key)
         return Delivered(

@@ -1,8 +1,9 @@
 """What a handler gets besides its body: the transaction, and the outbox to publish through.
 
 Everything a handler does through its ``Context`` belongs to the unit of work's one transaction:
-``session`` and ``connection`` share it, and ``publish`` only records an outbox row that is
-inserted in the same transaction, so no event can exist without the effect that caused it.
+``session`` (SQLAlchemy ORM), ``connection`` (SQLAlchemy Core) and ``asyncpg`` (the driver's own
+connection, the fastest) share it, and ``publish`` only records an outbox row that is inserted in
+the same transaction, so no event can exist without the effect that caused it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class Context(_Session):
     outbox: list[OutboxMessage] = field(default_factory=list)
     step: str | None = None
     _session: AsyncSession | None = None
+    asyncpg: Any = None
+    """The ``asyncpg.Connection`` under ``connection``, in the same transaction: statements sent on
+    it skip SQLAlchemy's execution layer. Do not begin, commit or roll back on it."""
 
     @property
     def key(self) -> str:
@@ -121,8 +125,12 @@ class Batch(_Session, Sequence[Context]):
     of the bodies it was given, and the one transaction they all share (``connection``,
     ``session``). Everything it writes commits, or rolls back, with the whole batch."""
 
-    def __init__(self, connection: AsyncConnection, contexts: Sequence[Context]) -> None:
+    def __init__(
+        self, connection: AsyncConnection, contexts: Sequence[Context], *, asyncpg: Any = None
+    ) -> None:
         self.connection = connection
+        self.asyncpg = asyncpg
+        """The ``asyncpg.Connection`` of the batch's transaction (see ``Context.asyncpg``)."""
         self._contexts = list(contexts)
         self._session = None
 

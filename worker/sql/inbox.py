@@ -10,26 +10,55 @@ from typing import Any
 
 from sqlalchemy import (
     Float,
-    Text,
     bindparam,
-    cast,
     delete,
     func,
     or_,
     select,
-    tuple_,
     update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, JSONB, insert
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.core.codec import to_jsonable
+from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import MAX_ATTEMPTS, InboxEntry, InboxKey, KeyClaim
 from worker.sql.tables import inbox, workflow_steps
 
+CLAIM_KEYS = """
+INSERT INTO inbox (handler, key, fingerprint, message_id, routing_key, status, owner, lease_until)
+SELECT c.handler, c.key, c.fingerprint, c.message_id, c.routing_key, 'in_progress', $6::text,
+       now() + make_interval(secs => $7::float8)
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[])
+     WITH ORDINALITY AS c(handler, key, fingerprint, message_id, routing_key, position)
+ORDER BY c.position
+ON CONFLICT (handler, key) DO NOTHING
+RETURNING handler, key
+"""
+
+FETCH_KEYS = """
+SELECT i.handler, i.key, i.status, i.fingerprint, i.result::text AS result, i.error
+FROM unnest($1::text[], $2::text[]) AS k(handler, key)
+JOIN inbox AS i ON i.handler = k.handler AND i.key = k.key
+"""
+
+COMPLETE_KEYS = """
+UPDATE inbox AS i
+SET status = 'completed', result = d.result::jsonb, owner = NULL, lease_until = NULL,
+    updated_at = now()
+FROM unnest($1::text[], $2::text[], $3::text[]) AS d(handler, key, result)
+WHERE i.handler = d.handler AND i.key = d.key
+"""
+
+RELEASE_KEYS = """
+DELETE FROM inbox AS i
+USING unnest($1::text[], $2::text[]) AS r(handler, key)
+WHERE i.handler = r.handler AND i.key = r.key AND i.status = 'in_progress'
+"""
+
 
 async def claim_keys(
-    conn: AsyncConnection,
+    conn: Connection,
     claims: Sequence[KeyClaim],
     *,
     owner: str | None = None,
@@ -42,28 +71,18 @@ async def claim_keys(
     the committed row (not claimed) or, if the other rolled back, takes the key itself. A
     workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
     """
-    stmt = (
-        insert(inbox)
-        .values(
-            status="in_progress",
-            owner=owner,
-            lease_until=None if lease is None else func.now() + interval(lease),
-        )
-        .on_conflict_do_nothing(index_elements=[inbox.c.handler, inbox.c.key])
-        .returning(inbox.c.handler, inbox.c.key)
+    driver = await in_transaction(conn)
+    rows = await driver.fetch(
+        CLAIM_KEYS,
+        [c.handler for c in claims],
+        [c.key for c in claims],
+        [c.fingerprint for c in claims],
+        [c.message_id for c in claims],
+        [c.routing_key for c in claims],
+        owner,
+        lease,
     )
-    rows = [
-        {
-            "handler": claim.handler,
-            "key": claim.key,
-            "fingerprint": claim.fingerprint,
-            "message_id": claim.message_id,
-            "routing_key": claim.routing_key,
-        }
-        for claim in claims
-    ]
-    # executemany: SQLAlchemy sends the rows as one multi-row INSERT of a cached statement
-    return {(row.handler, row.key) for row in await conn.execute(stmt, rows)}
+    return {(row[0], row[1]) for row in rows}
 
 
 def interval(value: float) -> Any:
@@ -71,54 +90,35 @@ def interval(value: float) -> Any:
     return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(None, value, type_=Float))
 
 
-async def fetch_keys(conn: AsyncConnection, keys: Sequence[InboxKey]) -> dict[InboxKey, InboxEntry]:
+async def fetch_keys(conn: Connection, keys: Sequence[InboxKey]) -> dict[InboxKey, InboxEntry]:
     """The committed inbox rows of ``keys`` that exist."""
-    stmt = select(
-        inbox.c.handler,
-        inbox.c.key,
-        inbox.c.status,
-        inbox.c.fingerprint,
-        inbox.c.result,
-        inbox.c.error,
-    ).where(tuple_(inbox.c.handler, inbox.c.key).in_(keys))
+    driver = await in_transaction(conn)
+    rows = await driver.fetch(FETCH_KEYS, [h for h, _ in keys], [k for _, k in keys])
     return {
-        (row.handler, row.key): InboxEntry(
-            row.status, bytes(row.fingerprint), row.result, row.error
+        (row[0], row[1]): InboxEntry(
+            row[2], bytes(row[3]), None if row[4] is None else json.loads(row[4]), row[5]
         )
-        for row in await conn.execute(stmt)
+        for row in rows
     }
 
 
-async def complete_keys(conn: AsyncConnection, results: Sequence[tuple[str, str, Any]]) -> None:
+async def complete_keys(conn: Connection, results: Sequence[tuple[str, str, Any]]) -> None:
     """Mark each (handler, key, result)'s key completed and store the handler's result with it,
     in one statement."""
-    done = (
-        func.unnest(
-            bindparam("handlers", type_=ARRAY(Text)),
-            bindparam("keys", type_=ARRAY(Text)),
-            bindparam("results", type_=ARRAY(Text)),
-        )
-        .table_valued("handler", "key", "result")
-        .render_derived()
+    driver = await in_transaction(conn)
+    await driver.execute(
+        COMPLETE_KEYS,
+        [handler for handler, _, _ in results],
+        [key for _, key, _ in results],
+        [json.dumps(to_jsonable(result)) for _, _, result in results],
     )
-    stmt = (
-        update(inbox)
-        .where(inbox.c.handler == done.c.handler, inbox.c.key == done.c.key)
-        .values(
-            status="completed",
-            result=cast(done.c.result, JSONB),
-            owner=None,
-            lease_until=None,
-            updated_at=func.now(),
-        )
-    )
-    # one statement of a fixed text, the rows as three arrays
-    params = {
-        "handlers": [handler for handler, _, _ in results],
-        "keys": [key for _, key, _ in results],
-        "results": [json.dumps(to_jsonable(result)) for _, _, result in results],
-    }
-    await conn.execute(stmt, params)
+
+
+async def release_keys(conn: Connection, keys: Sequence[InboxKey]) -> None:
+    """Give up this transaction's claims of ``keys`` (in progress, claimed by it): deliveries that
+    were taken out of their batch, to run on their own after it commits."""
+    driver = await in_transaction(conn)
+    await driver.execute(RELEASE_KEYS, [h for h, _ in keys], [k for _, k in keys])
 
 
 async def record_failure(

@@ -4,6 +4,7 @@ locks, NOTIFY), and claiming, deleting or failing rows for a relay.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -11,17 +12,17 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
-    Text,
     bindparam,
     delete,
     func,
     select,
     update,
 )
-from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.core.codec import to_jsonable
+from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import OutboxMessage
 from worker.sql.tables import outbox, outbox_parked
 
@@ -35,8 +36,32 @@ RETRY_DELAY_CAP_SECONDS = 300.0
 """A failed outbox row is retried at least this often, however many attempts it has had."""
 
 
+LOCK_ORDERING_KEYS = f"""
+SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+
+LOCK_ORDERING_KEYS_AND_NOTIFY = f"""
+SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))),
+       pg_notify('{OUTBOX_CHANNEL}', '')
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+
+APPEND_OUTBOX = """
+INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
+                    correlation_id, causation_id, ordering_key)
+SELECT m.message_id, m.exchange, m.routing_key, m.body, m.content_type, m.headers::jsonb,
+       m.correlation_id, m.causation_id, m.ordering_key
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[],
+            $7::text[], $8::text[], $9::text[])
+     WITH ORDINALITY AS m(message_id, exchange, routing_key, body, content_type, headers,
+                          correlation_id, causation_id, ordering_key, position)
+ORDER BY m.position
+"""
+
+
 async def lock_ordering_keys(
-    conn: AsyncConnection, ordering_keys: Iterable[str], *, notify: bool
+    conn: Connection, ordering_keys: Iterable[str], *, notify: bool
 ) -> None:
     """Take the ordering keys' advisory locks, held until commit, in sorted order (so two
     transactions cannot deadlock on them), and with ``notify`` queue one NOTIFY for relays; one
@@ -44,16 +69,13 @@ async def lock_ordering_keys(
     keys = sorted(ordering_keys)
     if not keys and not notify:
         return
-    locked = func.unnest(bindparam("keys", type_=ARRAY(Text))).table_valued("key").render_derived()
-    lock = func.pg_advisory_xact_lock(ORDERING_LOCK_CLASS, func.hashtext(locked.c.key))
-    stmt = select(func.count(lock)).select_from(locked)  # locks taken in the array's order
-    if notify:
-        stmt = stmt.add_columns(func.pg_notify(OUTBOX_CHANNEL, ""))
-    await conn.execute(stmt, {"keys": keys})
+    driver = await in_transaction(conn)
+    # the locks are taken in the array's order; the aggregate makes the NOTIFY run once
+    await driver.execute(LOCK_ORDERING_KEYS_AND_NOTIFY if notify else LOCK_ORDERING_KEYS, keys)
 
 
 async def append_outbox(
-    conn: AsyncConnection, messages: Sequence[OutboxMessage], *, notify: bool = False
+    conn: Connection, messages: Sequence[OutboxMessage], *, notify: bool = False
 ) -> None:
     """Insert the events a handler recorded, in the order it recorded them, in one statement.
 
@@ -64,24 +86,20 @@ async def append_outbox(
     """
     if not messages:
         return
+    driver = await in_transaction(conn)
     ordering_keys = {m.ordering_key for m in messages if m.ordering_key is not None}
-    await lock_ordering_keys(conn, ordering_keys, notify=notify)
-    await conn.execute(
-        insert(outbox),
-        [
-            {
-                "message_id": m.message_id,
-                "exchange": m.exchange,
-                "routing_key": m.routing_key,
-                "body": m.body,
-                "content_type": m.content_type,
-                "headers": to_jsonable(m.headers),
-                "correlation_id": m.correlation_id,
-                "causation_id": m.causation_id,
-                "ordering_key": m.ordering_key,
-            }
-            for m in messages
-        ],
+    await lock_ordering_keys(driver, ordering_keys, notify=notify)
+    await driver.execute(
+        APPEND_OUTBOX,
+        [m.message_id for m in messages],
+        [m.exchange for m in messages],
+        [m.routing_key for m in messages],
+        [m.body for m in messages],
+        [m.content_type for m in messages],
+        [json.dumps(to_jsonable(m.headers)) for m in messages],
+        [m.correlation_id for m in messages],
+        [m.causation_id for m in messages],
+        [m.ordering_key for m in messages],
     )
 
 
