@@ -146,6 +146,20 @@ class Permanent(WorkerError):
     """
 
 
+class MessageFailed(WorkerError):
+    """One message of a batch handler's batch failed; the others may go on without it.
+
+    A batch handler raises ``MessageFailed(i) from exc`` to name the culprit by its index in the
+    bodies it was given: the batch runs again without it, and it runs on its own, where its
+    failure takes its usual path (classified by ``exc``). Without it, the worker finds the
+    culprit by bisection, which costs more handler calls.
+    """
+
+    def __init__(self, index: int, message: str | None = None) -> None:
+        super().__init__(message or f"message {index} of the batch failed")
+        self.index = index
+
+
 class Retryable(WorkerError):
     """A transient failure: the unit of work may succeed if tried again.
 

@@ -22,6 +22,10 @@ CONSUMER_BEFORE_CLAIM = "consumer.before_claim"
 UNIT_OF_WORK_BEFORE_COMMIT = "unit_of_work.before_commit"
 """The handler ran and the outbox rows and completion are written; the commit has not happened."""
 
+UNIT_OF_WORK_ISOLATING = "unit_of_work.isolating"
+"""A handler failed inside a batch and its group was rolled back to its savepoint; the group has
+not yet run again without the culprit, and nothing has committed."""
+
 CONSUMER_AFTER_COMMIT = "consumer.after_commit"
 """The unit of work committed; the delivery has not been acked."""
 
@@ -37,6 +41,7 @@ CONSUMER_DRAINING = "consumer.draining"
 POINTS = (
     CONSUMER_BEFORE_CLAIM,
     UNIT_OF_WORK_BEFORE_COMMIT,
+    UNIT_OF_WORK_ISOLATING,
     CONSUMER_AFTER_COMMIT,
     RELAY_MID_BATCH,
     RELAY_AFTER_PUBLISH,

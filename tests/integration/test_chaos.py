@@ -246,9 +246,14 @@ CRASHES = [
 ]
 
 
+ELSEWHERE = {faults.UNIT_OF_WORK_ISOLATING}
+"""Crash points this load never reaches, killed in their own tests: a rollback to a savepoint
+needs a failing message in a batch (``test_isolation.py``), and this load has none."""
+
+
 def test_every_fixed_crash_point_has_its_kill_test() -> None:
     points = {param.values[1].partition("@")[0] for param in CRASHES}
-    assert points == set(faults.POINTS)
+    assert points | ELSEWHERE == set(faults.POINTS)
 
 
 @pytest.mark.parametrize(("victim", "crash_at"), CRASHES)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -23,47 +24,76 @@ from worker.core.claims import Settled, claim_all, settled_against
 from worker.core.config import UnitOfWorkConfig
 from worker.core.context import Batch, Context
 from worker.core.envelope import Envelope
-from worker.core.handler import HandlerKind
+from worker.core.handler import Handler, HandlerKind
 from worker.core.outcomes import Outcome
-from worker.errors import HandlerFailed, KeyReused, is_transient
-from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, crash_point
+from worker.errors import HandlerFailed, KeyReused, MessageFailed, is_transient
+from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, UNIT_OF_WORK_ISOLATING, crash_point
 from worker.sql import inbox, outbox
+from worker.sql.driver import in_transaction
 from worker.sql.rows import InboxKey
+
+ISOLATION_SAVEPOINT = "worker_handlers"
+"""The savepoint each run of a handler group starts from, rolled back to when a handler fails."""
+
+MAX_SAVEPOINTS = 32
+"""Savepoints one transaction may use to take failing messages out before it gives up and fails
+as a whole (its messages then run one per transaction): PostgreSQL tracks 64 subtransactions
+per transaction cheaply, and a transaction with more slows every other session's snapshots."""
+
+
+@dataclass(frozen=True)
+class Isolated:
+    """A delivery taken out of its batch because its handler failed there (``error``): the
+    others committed without it, its key was left unclaimed, and it is to run on its own."""
+
+    error: Exception
+
+
+Ended = Settled | Isolated
+"""How a delivery left a batch that committed."""
 
 
 async def process_batch(
     engine: AsyncEngine, envelopes: Sequence[Envelope], config: UnitOfWorkConfig
-) -> list[Settled]:
+) -> list[Ended]:
     """Apply each envelope's effect exactly once per (handler, key), in one transaction that has
     committed when this returns; return each envelope's end, in the envelopes' order.
 
     The first delivery of a key in the batch runs; a later one of the same key is a duplicate
-    (or ``KeyReused`` with another fingerprint), as is one whose key committed before. When any
-    handler (or storing what it produced) fails, nothing commits: a permanent failure raises
-    ``HandlerFailed``, a transient one raises as it is, and the caller retries the messages
-    one per transaction. Plain handlers get a ``Context`` each; a batch handler gets all of its
-    routing key's runnable messages at once. With events, ``config.notify`` sends one NOTIFY to
-    listening relays with the commit and ``config.on_events`` is called after it.
+    (or ``KeyReused`` with another fingerprint), as is one whose key committed before. Plain
+    handlers get a ``Context`` each; a batch handler gets all of its routing key's runnable
+    messages at once. With events, ``config.notify`` sends one NOTIFY to listening relays with
+    the commit and ``config.on_events`` is called after it.
+
+    A handler that fails in a batch of several runnable messages does not fail the batch: its
+    handler group is rolled back to the savepoint it started from and run again without the
+    culprit (a plain handler's culprit is the message it was called for; a batch handler names
+    it with ``MessageFailed``, or it is found by bisection), and the culprit ends ``Isolated``,
+    its key unclaimed, for the caller to run alone. Anything else that fails (the claim, the
+    outbox, the commit, a batch of one) fails the whole transaction and nothing commits: a
+    permanent failure raises ``HandlerFailed``, a transient one raises as it is.
     """
     by_key: dict[InboxKey, list[int]] = {}
     for index in sorted(range(len(envelopes)), key=lambda i: envelopes[i].inbox_key):
         by_key.setdefault(envelopes[index].inbox_key, []).append(index)
     firsts = [envelopes[indices[0]] for indices in by_key.values()]
-    ends: dict[int, Settled] = {}
     async with engine.connect() as conn, conn.begin():
-        claims = await claim_all(conn, firsts)
+        driver = await in_transaction(conn)
+        claims = await claim_all(driver, firsts)
         runnable = [e for e in firsts if claims[e.inbox_key] is None]
-        contexts = [Context(conn, e, config.exchange) for e in runnable]
+        contexts = [Context(conn, e, config.exchange, asyncpg=driver) for e in runnable]
         try:
-            results = await _run_handlers(conn, contexts)
-            for ctx in contexts:
-                await ctx.flush()
-            events = [m for ctx in contexts for m in ctx.outbox]
-            await outbox.append_outbox(conn, events, notify=config.notify)
-            if runnable:
+            isolation = _Isolation(conn, driver, enabled=len(contexts) > 1)
+            results = await isolation.run(contexts)
+            done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
+            events = [m for ctx in done for m in ctx.outbox]
+            await outbox.append_outbox(driver, events, notify=config.notify)
+            if done:
                 await inbox.complete_keys(
-                    conn, [(*e.inbox_key, r) for e, r in zip(runnable, results, strict=True)]
+                    driver, [(*ctx.envelope.inbox_key, results[id(ctx)]) for ctx in done]
                 )
+            if isolation.culprits:
+                await inbox.release_keys(driver, list(isolation.culprits))
             crash_point(UNIT_OF_WORK_BEFORE_COMMIT, len(envelopes))
         except Exception as exc:
             if is_transient(exc):
@@ -72,9 +102,13 @@ async def process_batch(
         finally:
             for ctx in contexts:
                 await ctx.close()
+    ends: dict[int, Ended] = {}
     for key, indices in by_key.items():
         first = envelopes[indices[0]]
         existing = claims[key]
+        if key in isolation.culprits:  # its later copies wait for it: they run on their own too
+            ends.update((index, Isolated(isolation.culprits[key])) for index in indices)
+            continue
         ends[indices[0]] = (
             Outcome.PROCESSED if existing is None else settled_against(existing, first, first)
         )
@@ -85,31 +119,105 @@ async def process_batch(
     return [ends[index] for index in range(len(envelopes))]
 
 
-async def _run_handlers(conn: AsyncConnection, contexts: Sequence[Context]) -> list[Any]:
-    """Each context's handler result, in order: a batch handler runs once for its consecutive
-    contexts (they come sorted by handler), a plain handler once per context."""
-    results: list[Any] = []
-    for handler, group in itertools.groupby(contexts, key=lambda ctx: ctx.envelope.handler):
-        members = list(group)
-        if handler.kind is not HandlerKind.BATCH:
-            for ctx in members:
-                results.append(await handler.func(ctx.envelope.payload, ctx))
-            continue
-        batch = Batch(conn, members)
-        try:
-            returned = await handler.func([ctx.envelope.payload for ctx in members], batch)
-            await batch.flush()
-        finally:
-            await batch.close()
-        if returned is None:
-            returned = [None] * len(members)
-        elif len(returned) != len(members):
-            raise TypeError(
-                f"batch handler {handler.name!r} returned {len(returned)} results "
-                f"for {len(members)} messages"
+@dataclass(frozen=True)
+class _Failed:
+    """A handler call of a group failed; ``index`` is the culprit's place in it when known."""
+
+    index: int | None
+    error: Exception
+
+
+class _Isolation:
+    """Runs a transaction's handler groups, each from a savepoint, taking out the messages whose
+    handler fails (when ``enabled``: the transaction holds several runnable messages)."""
+
+    def __init__(self, conn: AsyncConnection, driver: Any, *, enabled: bool) -> None:
+        self.conn = conn
+        self.driver = driver
+        self.enabled = enabled
+        self.culprits: dict[InboxKey, Exception] = {}
+        self._savepoints = 0
+
+    async def run(self, contexts: Sequence[Context]) -> dict[int, Any]:
+        """Each surviving context's handler result, by ``id(ctx)``; a batch handler runs once
+        for its consecutive contexts (they come sorted by handler), a plain one once per context."""
+        results: dict[int, Any] = {}
+        for handler, group in itertools.groupby(contexts, key=lambda ctx: ctx.envelope.handler):
+            results.update(await self._run_group(handler, list(group)))
+        return results
+
+    async def _run_group(self, handler: Handler, members: list[Context]) -> dict[int, Any]:
+        while members:
+            if self.enabled:
+                await self._savepoint()
+            outcome = await _call(self.conn, self.driver, handler, members)
+            if not isinstance(outcome, _Failed):
+                if self.enabled:
+                    await self.driver.execute(f"RELEASE SAVEPOINT {ISOLATION_SAVEPOINT}")
+                return outcome
+            if not self.enabled:
+                raise outcome.error
+            await self._roll_back(members)
+            crash_point(UNIT_OF_WORK_ISOLATING)
+            if outcome.index is None and len(members) > 1:  # a batch handler's, unnamed
+                half = len(members) // 2
+                results = await self._run_group(handler, members[:half])
+                results.update(await self._run_group(handler, members[half:]))
+                return results
+            culprit = members.pop(outcome.index or 0)
+            self.culprits[culprit.envelope.inbox_key] = outcome.error
+        return {}
+
+    async def _savepoint(self) -> None:
+        if self._savepoints == MAX_SAVEPOINTS:
+            raise RuntimeError(
+                f"gave up taking failing messages out of the batch after {MAX_SAVEPOINTS} tries"
             )
-        results.extend(returned)
-    return results
+        self._savepoints += 1
+        await self.driver.execute(f"SAVEPOINT {ISOLATION_SAVEPOINT}")
+
+    async def _roll_back(self, members: Sequence[Context]) -> None:
+        """Undo the group's run: its writes, the events it recorded, its ORM sessions."""
+        await self.driver.execute(f"ROLLBACK TO SAVEPOINT {ISOLATION_SAVEPOINT}")
+        for ctx in members:
+            ctx.outbox.clear()
+            await ctx.close()
+
+
+async def _call(
+    conn: AsyncConnection, driver: Any, handler: Handler, members: Sequence[Context]
+) -> dict[int, Any] | _Failed:
+    """Run ``handler`` for ``members`` and flush what they wrote: each one's result by
+    ``id(ctx)``, or how it failed, naming the culprit where that is known."""
+    if handler.kind is not HandlerKind.BATCH:
+        results: dict[int, Any] = {}
+        for index, ctx in enumerate(members):
+            try:
+                results[id(ctx)] = await handler.func(ctx.envelope.payload, ctx)
+                await ctx.flush()
+            except Exception as exc:
+                return _Failed(index, exc)
+        return results
+    batch = Batch(conn, members, asyncpg=driver)
+    try:
+        returned = await handler.func([ctx.envelope.payload for ctx in members], batch)
+        await batch.flush()
+        for ctx in members:
+            await ctx.flush()
+    except MessageFailed as exc:
+        return _Failed(exc.index if 0 <= exc.index < len(members) else None, exc)
+    except Exception as exc:
+        return _Failed(None, exc)
+    finally:
+        await batch.close()
+    if returned is None:
+        returned = [None] * len(members)
+    elif len(returned) != len(members):
+        raise TypeError(
+            f"batch handler {handler.name!r} returned {len(returned)} results "
+            f"for {len(members)} messages"
+        )
+    return {id(ctx): result for ctx, result in zip(members, returned, strict=True)}
 
 
 async def process(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig) -> Outcome:
@@ -122,6 +230,7 @@ async def process(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkCon
     [end] = await process_batch(engine, [envelope], config)
     if isinstance(end, KeyReused):
         raise end
+    assert not isinstance(end, Isolated)  # (a batch of one fails as a whole)
     return end
 
 

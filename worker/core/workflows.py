@@ -34,6 +34,7 @@ from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed, Rejected, Retryable, is_transient
 from worker.faults import crash_point
 from worker.sql import inbox, outbox
+from worker.sql.driver import in_transaction
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class Workflow:
         async with self.engine.connect() as conn, conn.begin():
             if not await inbox.hold_workflow(conn, handler, self.key, self.owner):
                 raise WorkflowBusy(f"workflow {self.key!r} was taken over by another delivery")
-            ctx = Context(conn, self.envelope, self.config.exchange, step=name)
+            driver = await in_transaction(conn)
+            ctx = Context(conn, self.envelope, self.config.exchange, step=name, asyncpg=driver)
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()

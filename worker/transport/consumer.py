@@ -52,6 +52,7 @@ from worker.core.envelope import (
 from worker.core.handler import HandlerKind
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
+from worker.core.unit_of_work import Isolated
 from worker.errors import (
     CheckFailed,
     KeyReused,
@@ -111,8 +112,10 @@ class Consumer:
     ``rejected_to_broker`` (a DLQ copy that could not be published, dead-lettered by the broker
     instead), ``paused`` (times consumption paused for a database outage or a deployment fault) and
     ``throttled`` (times it slowed down after consecutive dead letters); and for batches:
-    ``batches`` (transactions of several deliveries), ``multiple_acks`` and ``batch_retried_alone``
-    (batches that failed and were redone one message per transaction).
+    ``batches`` (transactions of several deliveries), ``multiple_acks``, ``isolated`` (deliveries
+    whose handler failed in a batch, taken out of it to run on their own while the rest committed)
+    and ``batch_retried_alone`` (batches that failed as a whole and were redone one message per
+    transaction).
     """
 
     def __init__(
@@ -392,15 +395,27 @@ class Consumer:
         crash_point(CONSUMER_AFTER_COMMIT, len(together))
         self.metrics.batch(len(together))
         committed: list[AbstractIncomingMessage] = []
+        isolated: list[tuple[AbstractIncomingMessage, Envelope]] = []
         for (message, envelope), end in zip(together, ends, strict=True):
             if isinstance(end, KeyReused):
                 with logs.message_context(envelope.delivery, envelope):
                     await self.failures.failed(message, envelope.delivery, envelope, end)
-                continue
-            self._count(envelope, end)
-            committed.append(message)
+            elif isinstance(end, Isolated):
+                isolated.append((message, envelope))
+            else:
+                self._count(envelope, end)
+                committed.append(message)
         self.stats["batches"] += 1
         self.stats["multiple_acks"] += await self.settlements.ack(committed)
+        if isolated:
+            log.info(
+                "%d of a batch of %d failed in it and run on their own; the others committed",
+                len(isolated),
+                len(together),
+            )
+            self.stats["isolated"] += len(isolated)
+        for message, envelope in isolated:  # each takes its own failure path, or succeeds alone
+            await self._process_alone(message, envelope)
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()

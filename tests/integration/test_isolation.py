@@ -1,0 +1,306 @@
+"""Failure isolation inside a batch, against the real PostgreSQL: a handler that fails in a batch
+of several messages is taken out of it (its group rolled back to a savepoint and run again
+without it), the others commit in the same transaction, and the culprit is left unclaimed to run
+on its own. Nothing is applied twice; each culprit takes exactly its own failure path."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from examples.payments import router as payments
+from tests.helpers import broker_depth, envelope, payment, rows, scalar, wait_until
+from tests.integration.support import wait_for_consumer, worker_process
+from tests.integration.test_batching import publish_all
+from worker import Batch, Context, Retryable, Router
+from worker.core.config import UnitOfWorkConfig
+from worker.core.outcomes import Outcome
+from worker.core.unit_of_work import MAX_SAVEPOINTS, Isolated, process_batch
+from worker.errors import HandlerFailed, MessageFailed
+from worker.faults import UNIT_OF_WORK_ISOLATING
+from worker.settings import Settings
+
+UNIT = UnitOfWorkConfig(exchange="events")
+REQUESTED = "payment.requested"
+
+
+def requested(payment_id: str, key: str, account: str = "alice", cents: int = 100) -> Any:
+    return envelope(payments, REQUESTED, payment(payment_id, account, cents), key)
+
+
+def notes_router(calls: list[Any], *, fail_on: set[int]) -> Router:
+    """A plain handler that writes a note per message (Core, ORM and asyncpg alike), publishes an
+    event, and raises for the bodies in ``fail_on`` after writing."""
+    router = Router()
+
+    @router.handler("note")
+    async def note(body: int, ctx: Context) -> int:
+        calls.append(body)
+        await ctx.connection.execute(
+            text("INSERT INTO accounts (account, balance_cents) VALUES (:a, :n)"),
+            {"a": f"core-{body}", "n": body},
+        )
+        await ctx.asyncpg.execute(
+            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)", f"raw-{body}", body
+        )
+        await ctx.session.execute(
+            text("INSERT INTO accounts (account, balance_cents) VALUES (:a, :n)"),
+            {"a": f"orm-{body}", "n": body},
+        )
+        ctx.publish("noted", {"n": body})
+        if body in fail_on:
+            raise ValueError(f"note {body} is bad")
+        return body
+
+    return router
+
+
+async def accounts(engine: AsyncEngine) -> set[str]:
+    return {r.account for r in await rows(engine, "SELECT account FROM accounts")}
+
+
+async def test_a_plain_handler_culprit_is_taken_out_and_the_rest_commit(
+    engine: AsyncEngine,
+) -> None:
+    # Given five messages of a plain handler, the third of which fails after writing
+    calls: list[Any] = []
+    router = notes_router(calls, fail_on={3})
+    batch = [envelope(router, "note", n, f"k{n}") for n in (1, 2, 3, 4, 5)]
+
+    # When they are processed as one batch
+    ends = await process_batch(engine, batch, UNIT)
+
+    # Then the culprit is isolated with its error and the four others committed once, with
+    # their writes through every connection and their events; the culprit left nothing behind
+    assert ends[:2] == [Outcome.PROCESSED] * 2
+    assert isinstance(ends[2], Isolated)
+    assert str(ends[2].error) == "note 3 is bad"
+    assert ends[3:] == [Outcome.PROCESSED] * 2
+    assert await accounts(engine) == {
+        f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 2, 4, 5)
+    }
+    assert dict(await rows(engine, "SELECT key, status FROM inbox")) == {
+        "k1": "completed",
+        "k2": "completed",
+        "k4": "completed",
+        "k5": "completed",
+    }
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 4
+    # one run up to the culprit, then one run of the rest: one extra run, not one per message
+    assert calls == [1, 2, 3, 1, 2, 4, 5]
+
+
+async def test_two_plain_culprits_are_both_taken_out(engine: AsyncEngine) -> None:
+    calls: list[Any] = []
+    router = notes_router(calls, fail_on={2, 4})
+    batch = [envelope(router, "note", n, f"k{n}") for n in (1, 2, 3, 4, 5)]
+
+    ends = await process_batch(engine, batch, UNIT)
+
+    assert [isinstance(end, Isolated) for end in ends] == [False, True, False, True, False]
+    assert await scalar(engine, "SELECT count(*) FROM inbox") == 3
+    assert await accounts(engine) == {
+        f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 3, 5)
+    }
+
+
+async def test_a_batch_handler_culprit_is_found_by_bisection(engine: AsyncEngine) -> None:
+    # Given a batch of payments where k-bad reuses p3's payment id under another key: the
+    # payments batch handler's set-based ledger insert fails, naming no culprit
+    batch = [requested(f"p{n}", f"k{n}", cents=n) for n in range(1, 9)]
+    batch.insert(5, requested("p3", "k-bad", cents=1000))
+
+    # When the batch is processed
+    ends = await process_batch(engine, batch, UNIT)
+
+    # Then exactly one of the two deliveries of p3 is isolated (the later in key order), the
+    # other eight payments took effect once and emitted their events
+    isolated = [e.key for e, end in zip(batch, ends, strict=True) if isinstance(end, Isolated)]
+    assert isolated == ["k3"]  # "k-bad" sorts before "k3": it ran, and k3's p3 was the repeat
+    assert sum(end is Outcome.PROCESSED for end in ends) == 8
+    assert await scalar(engine, "SELECT balance_cents FROM accounts") == 1000 + sum(range(1, 9)) - 3
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == 8
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 8
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'k3'") == 0
+
+
+async def test_a_batch_handler_that_names_its_culprit_runs_once_more(engine: AsyncEngine) -> None:
+    router = Router()
+    calls: list[list[int]] = []
+
+    @router.batch_handler("many")
+    async def many(bodies: list[int], batch: Batch) -> list[int]:
+        calls.append(list(bodies))
+        await batch.asyncpg.executemany(
+            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)",
+            [(f"a{n}", n) for n in bodies],
+        )
+        for index, body in enumerate(bodies):
+            if body in (2, 6):
+                raise MessageFailed(index) from ValueError(f"{body} is bad")
+        return bodies
+
+    batch = [envelope(router, "many", n, f"k{n}") for n in range(1, 8)]
+    ends = await process_batch(engine, batch, UNIT)
+
+    assert [n for n, end in zip(range(1, 8), ends, strict=True) if isinstance(end, Isolated)] == [
+        2,
+        6,
+    ]
+    assert calls == [[1, 2, 3, 4, 5, 6, 7], [1, 3, 4, 5, 6, 7], [1, 3, 4, 5, 7]]
+    assert await accounts(engine) == {"a1", "a3", "a4", "a5", "a7"}
+
+
+async def test_two_unnamed_culprits_in_a_batch_handler(engine: AsyncEngine) -> None:
+    router = Router()
+
+    @router.batch_handler("many")
+    async def many(bodies: list[int], batch: Batch) -> None:
+        await batch.asyncpg.executemany(
+            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)",
+            [(f"a{n}", n) for n in bodies],
+        )
+        if any(n in (3, 8) for n in bodies):
+            raise ValueError("a bad one is among them")
+
+    batch = [envelope(router, "many", n, f"k{n}") for n in range(1, 11)]
+    ends = await process_batch(engine, batch, UNIT)
+
+    assert [n for n, end in zip(range(1, 11), ends, strict=True) if isinstance(end, Isolated)] == [
+        3,
+        8,
+    ]
+    assert await accounts(engine) == {f"a{n}" for n in range(1, 11)} - {"a3", "a8"}
+
+
+async def test_a_culprit_and_its_duplicate_both_wait_to_run_alone(engine: AsyncEngine) -> None:
+    # Given a batch holding a failing message twice (a redelivery in the same batch)
+    calls: list[Any] = []
+    router = notes_router(calls, fail_on={2})
+    batch = [envelope(router, "note", n, f"k{n}") for n in (1, 2, 3, 2)]
+
+    ends = await process_batch(engine, batch, UNIT)
+
+    # Then neither copy is called a duplicate of an effect that never committed: both run alone
+    assert [type(end).__name__ for end in ends] == ["Outcome", "Isolated", "Outcome", "Isolated"]
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'k2'") == 0
+
+
+async def test_a_transient_culprit_is_isolated_too(engine: AsyncEngine) -> None:
+    router = Router()
+
+    @router.handler("flaky")
+    async def flaky(body: int, ctx: Context) -> None:
+        if body == 2:
+            raise Retryable("the service is down")
+
+    batch = [envelope(router, "flaky", n, f"k{n}") for n in (1, 2, 3)]
+    ends = await process_batch(engine, batch, UNIT)
+
+    assert isinstance(ends[1], Isolated)
+    assert isinstance(ends[1].error, Retryable)
+    assert ends[0] is ends[2] is Outcome.PROCESSED
+
+
+async def test_too_many_failures_fail_the_whole_batch(engine: AsyncEngine) -> None:
+    # Given a batch handler that fails for every message: bisection would need a savepoint per
+    # call, more than one transaction should hold
+    router = Router()
+
+    @router.batch_handler("broken")
+    async def broken(bodies: list[int], batch: Batch) -> None:
+        await batch.asyncpg.execute("INSERT INTO accounts (account, balance_cents) VALUES ('x', 1)")
+        raise ValueError("always")
+
+    batch = [envelope(router, "broken", n, f"k{n}") for n in range(MAX_SAVEPOINTS)]
+
+    # Then the batch fails as a whole (its messages then run one per transaction), and nothing
+    # of it committed
+    with pytest.raises(HandlerFailed, match="gave up taking failing messages out"):
+        await process_batch(engine, batch, UNIT)
+    assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
+    assert await scalar(engine, "SELECT count(*) FROM accounts") == 0
+
+
+async def test_framework_statements_and_every_handler_connection_share_one_transaction(
+    engine: AsyncEngine,
+) -> None:
+    # Given a handler that reads the transaction id through each of its three connections
+    router = Router()
+    seen: list[int] = []
+
+    @router.handler("xid")
+    async def xid(body: int, ctx: Context) -> None:
+        query = "SELECT pg_current_xact_id()::text::bigint % 4294967296"
+        seen.append((await ctx.connection.execute(text(query))).scalar_one())
+        seen.append((await ctx.session.execute(text(query))).scalar_one())
+        seen.append(await ctx.asyncpg.fetchval(query))
+        ctx.publish("xid.seen", {"n": body})
+
+    # When two messages run in a batch (savepoints in between) and one alone
+    await process_batch(engine, [envelope(router, "xid", n, f"k{n}") for n in (1, 2)], UNIT)
+    await process_batch(engine, [envelope(router, "xid", 3, "k3")], UNIT)
+
+    # Then within each unit of work the handler, the inbox row and the outbox rows were
+    # written by one transaction
+    by_key = dict(await rows(engine, "SELECT key, xmin::text::bigint FROM inbox"))
+    events = [r[0] for r in await rows(engine, "SELECT xmin::text::bigint FROM outbox ORDER BY id")]
+    assert seen[0:6] == [by_key["k1"]] * 6
+    assert by_key["k1"] == by_key["k2"]
+    assert seen[6:9] == [by_key["k3"]] * 3
+    assert by_key["k3"] != by_key["k1"]
+    assert events == [by_key["k1"], by_key["k1"], by_key["k3"]]
+
+
+async def test_a_crash_mid_isolation_acks_nothing_and_the_restart_applies_each_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    # Given 30 payments queued, one of which (k-bad) reuses p4's payment id, and a worker that
+    # dies right after its first rollback to a savepoint
+    sends = [(f"k{i}", payment(f"p{i}", f"acct-{i % 3}", i + 1)) for i in range(30)]
+    sends.insert(10, ("k-bad", payment("p4", "acct-1", 1000)))
+    await publish_all(amqp, settings, sends)
+    log = tmp_path / "worker.log"
+    env = {
+        "WORKER_HANDLERS": "examples.payments",
+        "WORKER_BATCH_SIZE": "40",
+        "WORKER_RELAY": "false",
+    }
+    with worker_process(settings, log, WORKER_CRASH_AT=UNIT_OF_WORK_ISOLATING, **env) as dying:
+        returncode = await asyncio.to_thread(dying.wait, 30)
+    assert returncode == -signal.SIGKILL
+
+    # Then the batch that was isolating committed nothing and acked nothing (a batch beside it
+    # may have committed, its messages acked or not): every message is committed or queued
+    committed = await scalar(engine, "SELECT count(*) FROM inbox")
+    assert committed < 31
+    assert committed + await broker_depth(settings.queue) >= 31
+
+    # When a healthy worker runs
+    with worker_process(settings, log, **env) as worker:
+        await wait_for_consumer(amqp, settings.queue)
+
+        async def done() -> bool:
+            return await broker_depth(settings.dead_letter_queue) == 1 and (
+                await scalar(engine, "SELECT count(*) FROM ledger_entries") == 30
+            )
+
+        await wait_until(done)
+        worker.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.wait, 30) == 0
+
+    # Then each payment took effect once, one of p4's two deliveries was parked once
+    assert await scalar(engine, "SELECT sum(balance_cents) FROM accounts") in (
+        sum(range(1, 31)),  # k4's p4 ran, k-bad parked
+        sum(range(1, 31)) - 5 + 1000,  # k-bad's p4 ran, k4 parked
+    )
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'failed'") == 1
+    assert await broker_depth(settings.queue) == 0
+    assert await broker_depth(settings.dead_letter_queue) == 1
