@@ -129,16 +129,16 @@ class Group(enum.Enum):
     (``worker.ops.cli.READS``), so a command takes as flags exactly the groups it reads. The value
     titles the group's section of a command's ``--help``."""
 
-    DEPLOYMENT = "deployment: where the database, the broker and the handler modules are"
+    DEPLOYMENT = "where the database, the broker and the handler modules are"
     LOGGING = "logging"
-    CONSUMER = "consumer: how deliveries are taken, batched and processed"
+    CONSUMER = "how the consumer takes, batches and processes deliveries"
     COMPONENTS = "what runs inside `worker run` beside the consumer"
-    PROCESS = "long-running process: its shutdown and its endpoint's capacity"
+    PROCESS = "how a long-running process shuts down, and its endpoint's capacity"
     ENDPOINT = "where /healthz and /metrics are served"
-    RELAY = "outbox relay"
+    RELAY = "the outbox relay"
     NOTIFY = "outbox notifications"
     RETRIES = "delayed retries, and the inbox retention that must outlast them"
-    SWEEP = "inbox janitor's sweep"
+    SWEEP = "the inbox janitor's sweep"
 
 
 _SPEC = "worker.setting"
