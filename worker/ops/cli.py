@@ -136,6 +136,29 @@ def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
         )
 
 
+def settings_table() -> str:
+    """The README's settings table, between its ``settings:begin`` and ``settings:end``
+    markers: a row per setting, in declaration order, with the commands that take its flag."""
+    rows = [
+        "| variable | flag | default | flag of | meaning |",
+        "|---|---|---|---|---|",
+        *(_table_row(spec) for spec in FIELDS),
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _table_row(spec: Field) -> str:
+    takers = readers(spec.group)
+    cells = (
+        f"`{spec.env}`",
+        " / ".join(f"`{flag}`" for flag in spec.flags),
+        f"`{spec.shown_default}`",
+        "every command" if takers == list(READS) else ", ".join(f"`{c}`" for c in takers),
+        spec.help,
+    )
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
 _SETTING_NAMES = frozenset(spec.name for spec in FIELDS)
 
 
