@@ -1,22 +1,26 @@
 """The worker's settings: environment variables prefixed ``WORKER_``, overridden by CLI flags.
 
-Every setting is declared once in ``FIELDS``; the CLI builds its flags and help text from it, so
-the environment, the flags and the documentation cannot drift apart.
+Every setting is declared once, as a field of ``Settings`` made by ``setting``: its type, default,
+parser, group and help together. ``FIELDS`` derives from those declarations, and the CLI's flags,
+each command's help and the README's settings table derive from ``FIELDS``, so the environment,
+the flags and the documentation cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from worker.core.codec import DEFAULT_MAX_DEPTH
 from worker.errors import ConfigurationError
 
 ENV_PREFIX = "WORKER_"
+_T = TypeVar("_T")
 
 
 def positive_int(raw: str) -> int:
@@ -120,139 +124,246 @@ def _handler_list(raw: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
-@dataclass(frozen=True)
-class Field:
-    """One setting: its name, how to parse it from text, and what it is for."""
+class Group(enum.Enum):
+    """Which commands read a setting: the settings of a group are read by the same commands
+    (``worker.ops.cli.READS``), so a command takes as flags exactly the groups it reads. The value
+    titles the group's section of a command's ``--help``."""
 
-    name: str
+    DEPLOYMENT = "where the database, the broker and the handler modules are"
+    LOGGING = "logging"
+    CONSUMER = "how the consumer takes, batches and processes deliveries"
+    COMPONENTS = "what runs inside `worker run` beside the consumer"
+    PROCESS = "how a long-running process shuts down, and its endpoint's capacity"
+    ENDPOINT = "where /healthz and /metrics are served"
+    RELAY = "the outbox relay"
+    NOTIFY = "outbox notifications"
+    RETRIES = "delayed retries, and the inbox retention that must outlast them"
+    SWEEP = "the inbox janitor's sweep"
+
+
+_SPEC = "worker.setting"
+"""The ``dataclasses.field`` metadata key under which ``setting`` keeps a field's ``_Spec``."""
+
+
+@dataclass(frozen=True)
+class _Spec:
     parse: Callable[[str], Any]
+    group: Group
     help: str
 
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
 
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
-
-FIELDS: tuple[Field, ...] = (
-    Field("database_url", str, "PostgreSQL URL (postgresql://user:pass@host:port/db)"),
-    Field("amqp_url", str, "RabbitMQ URL (amqp://user:pass@host:port/vhost)"),
-    Field("exchange", str, "durable topic exchange the worker consumes from and publishes to"),
-    Field("queue", str, "durable work queue; dead letters go to <queue>.dlq"),
-    Field("prefetch", positive_int, "unacknowledged deliveries the broker sends ahead"),
-    Field("concurrency", positive_int, "transactions in flight at once (= database pool size)"),
-    Field(
-        "batch_size",
-        positive_int,
-        "most deliveries one transaction takes (at most prefetch; 1: a transaction per message)",
-    ),
-    Field(
-        "batch_linger",
-        duration_or_zero,
-        "how long a free consumer waits for a batch to fill before it runs what it has (0: not)",
-    ),
-    Field("handlers", _handler_list, "comma-separated handler modules to load"),
-    Field("max_body_bytes", positive_int, "larger message bodies are dead-lettered"),
-    Field(
-        "max_json_depth",
-        positive_int,
-        "bodies nesting JSON arrays/objects deeper are dead-lettered before they are parsed",
-    ),
-    Field(
-        "failure_throttle_after",
-        non_negative_int,
-        "consecutive dead-lettered messages after which the worker slows down (0: never)",
-    ),
-    Field(
-        "failure_throttle_delay",
-        duration,
-        "while slowed down: one message at a time, this long apart, until one succeeds",
-    ),
-    Field("log_level", str, "DEBUG, INFO, WARNING or ERROR"),
-    Field("log_format", log_format, "text, or json for one JSON object per line"),
-    Field(
-        "shutdown_grace",
-        duration,
-        "on SIGTERM, how long in-flight messages may take to commit before they are rolled back",
-    ),
-    Field("http_host", str, "address of the /healthz and /metrics endpoint (0.0.0.0: every one)"),
-    Field("http_port", port, "port of the /healthz and /metrics endpoint (0: none)"),
-    Field(
-        "http_max_connections",
-        positive_int,
-        "connections the endpoint serves at once; more are closed unread",
-    ),
-    Field("relay", boolean, "run the outbox relay inside `worker run` too"),
-    Field("relay_batch_size", positive_int, "outbox rows the relay claims per transaction"),
-    Field("relay_max_attempts", positive_int, "failed publishes of a row before it is parked"),
-    Field(
-        "relay_retry_delay",
-        positive_float,
-        "seconds before a failed row's first retry; doubles per attempt, at most 5 minutes",
-    ),
-    Field("relay_poll_interval", positive_float, "longest wait, in seconds, of an idle relay"),
-    Field("outbox_notify", boolean, "NOTIFY relays after each commit that added outbox rows"),
-    Field(
-        "transient_attempts",
-        positive_int,
-        "in-process tries of a unit of work that fails transiently, before a delayed retry",
-    ),
-    Field(
-        "retry_delays",
-        durations,
-        "delays of the delayed retries, one queue each (e.g. 1s,10s,1m; none: straight to DLQ)",
-    ),
-    Field("inbox_retention", duration, "how long inbox keys are kept (must outlast the retries)"),
-    Field("janitor", boolean, "run the inbox janitor inside `worker run` too"),
-    Field("janitor_interval", duration, "time between the janitor's sweeps"),
-    Field("janitor_batch_size", positive_int, "expired inbox keys deleted per transaction"),
-    Field(
-        "workflow_lease",
-        duration,
-        "how long a workflow's owner keeps it between steps before another delivery may take over",
-    ),
-)
+def setting(default: _T, parse: Callable[[str], _T], group: Group, help: str) -> _T:
+    """A field of ``Settings``: its default, how its ``WORKER_*`` variable and flag are parsed,
+    the group of commands that read it, and what it is for."""
+    return dataclasses.field(default=default, metadata={_SPEC: _Spec(parse, group, help)})
 
 
 @dataclass(frozen=True)
 class Settings:
     """The worker's configuration. Defaults match a local PostgreSQL and RabbitMQ."""
 
-    database_url: str = "postgresql://postgres@localhost:5432/postgres"
-    amqp_url: str = "amqp://guest:guest@localhost:5672/"
-    exchange: str = "events"
-    queue: str = "worker"
-    prefetch: int = 400
-    concurrency: int = 2
-    batch_size: int = 100
-    batch_linger: float = 0.002
-    handlers: tuple[str, ...] = field(default_factory=tuple)
-    max_body_bytes: int = 1024 * 1024
-    max_json_depth: int = DEFAULT_MAX_DEPTH
-    failure_throttle_after: int = 20
-    failure_throttle_delay: float = 1.0
-    log_level: str = "INFO"
-    log_format: str = "text"
-    shutdown_grace: float = 30.0
-    http_host: str = "127.0.0.1"  # a container sets 0.0.0.0 to be scraped from outside
-    http_port: int = 9180
-    http_max_connections: int = 64
-    relay: bool = True
-    relay_batch_size: int = 100
-    relay_max_attempts: int = 10
-    relay_retry_delay: float = 1.0
-    relay_poll_interval: float = 1.0
-    outbox_notify: bool = True
-    transient_attempts: int = 3
-    retry_delays: tuple[float, ...] = (1.0, 10.0, 60.0)
-    inbox_retention: float = 7 * 86400.0
-    janitor: bool = True
-    janitor_interval: float = 60.0
-    janitor_batch_size: int = 1000
-    workflow_lease: float = 30.0
+    database_url: str = setting(
+        "postgresql://postgres@localhost:5432/postgres",
+        str,
+        Group.DEPLOYMENT,
+        "PostgreSQL URL, `postgresql://user:pass@host:port/db` (asyncpg driver); libpq's TLS "
+        "options go in its query (see TLS and authentication)",
+    )
+    amqp_url: str = setting(
+        "amqp://guest:guest@localhost:5672/",
+        str,
+        Group.DEPLOYMENT,
+        "RabbitMQ URL, `amqp://user:pass@host:port/vhost`; `amqps://` for TLS",
+    )
+    exchange: str = setting(
+        "events",
+        str,
+        Group.DEPLOYMENT,
+        "durable topic exchange the worker consumes from and publishes to",
+    )
+    queue: str = setting(
+        "worker",
+        str,
+        Group.DEPLOYMENT,
+        "durable work queue; dead letters go to `<queue>.dlx` → `<queue>.dlq`",
+    )
+    prefetch: int = setting(
+        400,
+        positive_int,
+        Group.CONSUMER,
+        "unacknowledged deliveries the broker sends ahead; keep it at least "
+        "`batch_size` times `concurrency`",
+    )
+    concurrency: int = setting(
+        2,
+        positive_int,
+        Group.CONSUMER,
+        "consumer tasks, i.e. transactions (batches) in flight at once, and workflow runs at "
+        "once; the database pool has this many connections (+2)",
+    )
+    batch_size: int = setting(
+        100,
+        positive_int,
+        Group.CONSUMER,
+        "most deliveries one transaction takes (at most the prefetch); `1` for a transaction "
+        "per message",
+    )
+    batch_linger: float = setting(
+        0.002,
+        duration_or_zero,
+        Group.CONSUMER,
+        "how long a free consumer task waits for a batch to fill before it runs what it has; "
+        "`0` not at all",
+    )
+    handlers: tuple[str, ...] = setting(
+        (),
+        _handler_list,
+        Group.DEPLOYMENT,
+        "comma-separated handler modules to load, besides the installed `worker.handlers` "
+        "entry points",
+    )
+    max_body_bytes: int = setting(
+        1024 * 1024,
+        positive_int,
+        Group.CONSUMER,
+        "larger message bodies are dead-lettered as `body-too-large`",
+    )
+    max_json_depth: int = setting(
+        DEFAULT_MAX_DEPTH,
+        positive_int,
+        Group.CONSUMER,
+        "bodies nesting JSON arrays and objects deeper are dead-lettered as `body-too-deep`, "
+        "before they are parsed",
+    )
+    failure_throttle_after: int = setting(
+        20,
+        non_negative_int,
+        Group.CONSUMER,
+        "dead letters in a row after which the consumer takes one message at a time; `0` never",
+    )
+    failure_throttle_delay: float = setting(
+        1.0,
+        duration,
+        Group.CONSUMER,
+        "while throttled, the wait between two messages, until one succeeds",
+    )
+    log_level: str = setting(
+        "INFO",
+        str,
+        Group.LOGGING,
+        "`DEBUG`, `INFO`, `WARNING` or `ERROR`; passwords in URLs are never logged",
+    )
+    log_format: str = setting(
+        "text",
+        log_format,
+        Group.LOGGING,
+        "`text`, or `json` for one JSON object per line",
+    )
+    shutdown_grace: float = setting(
+        30.0,
+        duration,
+        Group.PROCESS,
+        "on SIGTERM, how long in-flight messages may take to commit before they are rolled back",
+    )
+    http_host: str = setting(
+        "127.0.0.1",
+        str,
+        Group.ENDPOINT,
+        "address of `/healthz` and `/metrics`; `0.0.0.0` (or `::`) for every interface, as in "
+        "a container",
+    )
+    http_port: int = setting(
+        9180,
+        port,
+        Group.ENDPOINT,
+        "port of `/healthz` and `/metrics`; `0` serves none",
+    )
+    http_max_connections: int = setting(
+        64,
+        positive_int,
+        Group.PROCESS,
+        "connections the endpoint serves at once; more are closed as they arrive, unread",
+    )
+    relay: bool = setting(
+        True,
+        boolean,
+        Group.COMPONENTS,
+        "run the outbox relay inside `worker run` too",
+    )
+    relay_batch_size: int = setting(
+        100,
+        positive_int,
+        Group.RELAY,
+        "outbox rows a relay claims per transaction",
+    )
+    relay_max_attempts: int = setting(
+        10,
+        positive_int,
+        Group.RELAY,
+        "failed publishes of a row before it is parked in `outbox_parked`",
+    )
+    relay_retry_delay: float = setting(
+        1.0,
+        positive_float,
+        Group.RELAY,
+        "seconds before a failed row's first retry; doubles per attempt, at most 5 minutes",
+    )
+    relay_poll_interval: float = setting(
+        1.0,
+        positive_float,
+        Group.RELAY,
+        "longest wait, in seconds, of an idle relay between polls",
+    )
+    outbox_notify: bool = setting(
+        True,
+        boolean,
+        Group.NOTIFY,
+        "one `NOTIFY worker_outbox` per transaction that added outbox rows, which wakes the "
+        "relays (off: they only poll)",
+    )
+    transient_attempts: int = setting(
+        3,
+        positive_int,
+        Group.CONSUMER,
+        "in-process tries of a unit of work that fails transiently (0.1 s, then doubling, "
+        "jittered), before a delayed retry",
+    )
+    retry_delays: tuple[float, ...] = setting(
+        (1.0, 10.0, 60.0),
+        durations,
+        Group.RETRIES,
+        "delays of the delayed retries, one queue each (e.g. `1s,10s,1m`); `none` parks at once",
+    )
+    inbox_retention: float = setting(
+        7 * 86400.0,
+        duration,
+        Group.RETRIES,
+        "how long inbox keys are kept; must be longer than the sum of the retry delays",
+    )
+    janitor: bool = setting(
+        True,
+        boolean,
+        Group.COMPONENTS,
+        "run the inbox janitor inside `worker run` too",
+    )
+    janitor_interval: float = setting(
+        60.0,
+        duration,
+        Group.COMPONENTS,
+        "time between the in-process janitor's sweeps",
+    )
+    janitor_batch_size: int = setting(
+        1000,
+        positive_int,
+        Group.SWEEP,
+        "expired inbox keys deleted per transaction",
+    )
+    workflow_lease: float = setting(
+        30.0,
+        duration,
+        Group.CONSUMER,
+        "how long a workflow's owner holds it between steps before another delivery may take over",
+    )
 
     def __post_init__(self) -> None:
         if self.inbox_retention <= self.retry_chain:
@@ -305,6 +416,59 @@ class Settings:
         if scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
             return f"postgresql+asyncpg://{rest}"
         raise ConfigurationError(f"database_url must be a postgresql:// URL, not {scheme}://")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One setting as ``Settings`` declares it: its name, how to parse it from text, what it is
+    for, the group of commands that read it, and its default."""
+
+    name: str
+    parse: Callable[[str], Any]
+    help: str
+    group: Group
+    default: Any
+
+    @classmethod
+    def of(cls, declared: dataclasses.Field[Any]) -> Field:
+        spec: _Spec = declared.metadata[_SPEC]
+        return cls(declared.name, spec.parse, spec.help, spec.group, declared.default)
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def switch(self) -> bool:
+        """A boolean: its flag is ``--x`` / ``--no-x`` and takes no value."""
+        return self.parse is boolean
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every spelling of the flag: ``--x``, and ``--no-x`` for a switch."""
+        return (self.flag, "--no-" + self.flag[2:]) if self.switch else (self.flag,)
+
+    @property
+    def shown_default(self) -> str:
+        """The default as a user writes it: ``2ms``, ``1s,10s,1m`` or ``none``, ``true``."""
+        value = self.default
+        if self.parse in (duration, duration_or_zero):
+            return format_duration(value)
+        if self.parse is durations:
+            return ",".join(map(format_duration, value)) or "none"
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, tuple):
+            return ",".join(value) or "(none)"
+        return str(value)
+
+
+FIELDS: tuple[Field, ...] = tuple(Field.of(declared) for declared in dataclasses.fields(Settings))
+"""Every setting, in declaration order."""
 
 
 def redact(url: str) -> str:

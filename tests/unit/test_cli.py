@@ -2,24 +2,170 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 
 import pytest
 
 from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
-from worker.ops.cli import _load_settings, build_parser
-from worker.settings import FIELDS, Settings
+from worker.ops.cli import EVERY_COMMAND, READS, _load_settings, build_parser
+from worker.settings import FIELDS, Field, Group, Settings
+
+NEEDS = {"outbox retry": ["--all"]}
+"""Arguments a command cannot be parsed without."""
+
+DEPLOYMENT = {
+    "database_url": "postgresql://u@db/x",
+    "amqp_url": "amqp://u@mq/",
+    "exchange": "ex",
+    "queue": "q",
+    "handlers": "examples.payments",
+    "log_level": "DEBUG",
+    "log_format": "json",
+}
+"""Where the deployment is and how to log: scripts pass these flags to every command."""
 
 
-def test_python_m_worker_help_lists_every_setting() -> None:
+def leaf_commands(
+    parser: argparse.ArgumentParser, path: str = ""
+) -> dict[str, argparse.ArgumentParser]:
+    """Every command that runs something (``dlq list``, not ``dlq``) and its parser."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found |= leaf_commands(sub, f"{path} {name}".strip())
+    return found or {path: parser}
+
+
+def mentions(text: str, word: str) -> int:
+    """How often ``word`` (a flag or a variable) occurs in ``text`` as a word of its own."""
+    return len(re.findall(rf"(?<![\w-]){re.escape(word)}(?![\w-])", text))
+
+
+def test_python_m_worker_help_points_to_each_commands_settings() -> None:
     result = run(sys.executable, "-m", "worker", "--help")
     assert result.returncode == 0, result.stderr
-    for spec in FIELDS:
-        assert spec.env in result.stdout
+    assert "Each command's --help lists the settings it reads" in result.stdout
+    assert "WORKER_* environment variable" in result.stdout
     for command in ("run", "migrate", "demo"):
         assert command in result.stdout
+
+
+def test_every_command_declares_what_it_reads() -> None:
+    assert set(leaf_commands(build_parser())) == set(READS)
+
+
+def test_run_reads_every_group() -> None:
+    assert set(READS["run"]) == set(Group)
+
+
+@pytest.mark.parametrize("command", list(READS))
+def test_each_command_takes_the_deployment_flags(
+    command: str, clean_environ: pytest.MonkeyPatch
+) -> None:
+    assert all(group in READS[command] for group in EVERY_COMMAND)
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in DEPLOYMENT.items()]
+    args = build_parser().parse_args([*command.split(), *flags, *NEEDS.get(command, [])])
+    settings = _load_settings(args)
+    deployment = {spec.name: spec.parse(DEPLOYMENT[spec.name]) for spec in _deployment()}
+    assert settings == Settings.load({}, **deployment)
+
+
+def test_the_deployment_flags_are_the_groups_every_command_takes() -> None:
+    assert {spec.name for spec in _deployment()} == set(DEPLOYMENT)
+
+
+def _deployment() -> list[Field]:
+    return [spec for spec in FIELDS if spec.group in EVERY_COMMAND]
+
+
+@pytest.mark.parametrize("command", list(READS))
+def test_each_command_refuses_the_flags_it_does_not_read(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    parser = build_parser()
+    for spec in (spec for spec in FIELDS if spec.group not in READS[command]):
+        for flag in spec.flags:
+            with pytest.raises(SystemExit) as exited:
+                parser.parse_args([*command.split(), flag, *NEEDS.get(command, [])])
+            assert exited.value.code == 2
+            readers = ", ".join(c for c, groups in READS.items() if spec.group in groups)
+            assert (
+                f"worker: error: {flag} is not a setting of {command!r} (it is read by: {readers})"
+                in capsys.readouterr().err
+            )
+
+
+def test_a_refusal_names_every_command_that_reads_the_flag() -> None:
+    result = run(WORKER_SCRIPT, "gc", "--relay-batch-size", "5")
+    assert result.returncode == 2
+    assert (
+        "worker: error: --relay-batch-size is not a setting of 'gc' (it is read by: run, relay)"
+        in result.stderr
+    )
+
+
+def test_dlq_list_refuses_batch_linger() -> None:
+    result = run(WORKER_SCRIPT, "dlq", "list", "--batch-linger", "5")
+    assert result.returncode == 2
+    assert (
+        "worker: error: --batch-linger is not a setting of 'dlq list' (it is read by: run)"
+        in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["relay", "--relay"], ["gc", "--janitor"]])
+def test_a_refused_flag_is_not_taken_for_a_longer_flag_it_begins(argv: list[str]) -> None:
+    """``--relay`` begins ``--relay-batch-size``, which ``relay`` takes: argparse alone would
+    call it ambiguous, or take it for the longer flag."""
+    result = run(WORKER_SCRIPT, *argv)
+    assert result.returncode == 2
+    assert f"{argv[1]} is not a setting of {argv[0]!r} (it is read by: run)" in result.stderr
+
+
+def test_an_unknown_flag_keeps_argparses_error() -> None:
+    result = run(WORKER_SCRIPT, "status", "--no-such-flag")
+    assert result.returncode == 2
+    assert "unrecognized arguments: --no-such-flag" in result.stderr
+
+
+def test_the_environment_still_sets_what_a_command_takes_no_flag_for(
+    clean_environ: pytest.MonkeyPatch,
+) -> None:
+    clean_environ.setenv("WORKER_BATCH_LINGER", "5ms")
+    clean_environ.setenv("WORKER_PREFETCH", "7")
+    settings = _load_settings(build_parser().parse_args(["dlq", "list"]))
+    assert (settings.batch_linger, settings.prefetch) == (0.005, 7)
+
+
+def test_run_help_mentions_each_flag_and_variable_once() -> None:
+    result = run(WORKER_SCRIPT, "run", "--help")
+    assert result.returncode == 0, result.stderr
+    for spec in FIELDS:
+        for word in (*spec.flags, spec.env):
+            assert mentions(result.stdout, word) == 1, word
+    assert re.search(r"\[WORKER_BATCH_LINGER; default 2ms\]", result.stdout)
+    assert "[WORKER_RETRY_DELAYS; default 1s,10s,1m]" in result.stdout
+    assert "--relay, --no-relay" in result.stdout
+    assert "[WORKER_RELAY; default true]" in result.stdout
+
+
+@pytest.mark.parametrize("command", list(READS))
+def test_each_commands_help_shows_the_settings_it_reads_once_and_no_other(
+    command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    help = leaf_commands(build_parser())[command].format_help()
+    for spec in FIELDS:
+        expected = 1 if spec.group in READS[command] else 0
+        for word in (*spec.flags, spec.env):
+            assert mentions(help, word) == expected, (word, help)
+    assert "[--SETTING ...]" in help
 
 
 def test_run_help_mentions_its_flags_and_variables() -> None:

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from worker.errors import ConfigurationError
-from worker.settings import FIELDS, Settings, duration, format_duration, redact
+from worker.settings import (
+    FIELDS,
+    Field,
+    Group,
+    Settings,
+    duration,
+    format_duration,
+    redact,
+)
 
 
 def test_an_empty_environment_gives_the_defaults() -> None:
@@ -53,6 +63,49 @@ def test_every_field_is_a_settings_attribute_with_a_worker_variable() -> None:
     names = {spec.name for spec in FIELDS}
     assert names == set(Settings.__dataclass_fields__)
     assert all(spec.env == "WORKER_" + spec.name.upper() for spec in FIELDS)
+
+
+def test_fields_derive_from_the_declaration_in_its_order() -> None:
+    assert [spec.name for spec in FIELDS] == [f.name for f in dataclasses.fields(Settings)]
+    for spec in FIELDS:
+        assert spec.default == getattr(Settings(), spec.name), spec.name
+        assert spec.flag == "--" + spec.name.replace("_", "-")
+        assert isinstance(spec.group, Group), spec.name
+        assert spec.help.strip(), spec.name
+
+
+def test_every_group_has_a_setting() -> None:
+    assert {spec.group for spec in FIELDS} == set(Group)
+
+
+def test_switches_have_a_no_flag() -> None:
+    relay = next(spec for spec in FIELDS if spec.name == "relay")
+    assert relay.switch
+    assert relay.flags == ("--relay", "--no-relay")
+    assert [spec.flags for spec in FIELDS if spec.name == "prefetch"] == [("--prefetch",)]
+
+
+@pytest.mark.parametrize(
+    ("name", "shown"),
+    [
+        ("batch_linger", "2ms"),
+        ("inbox_retention", "7d"),
+        ("retry_delays", "1s,10s,1m"),
+        ("handlers", "(none)"),
+        ("relay", "true"),
+        ("relay_retry_delay", "1.0"),
+        ("prefetch", "400"),
+    ],
+)
+def test_defaults_are_shown_as_users_write_them(name: str, shown: str) -> None:
+    assert next(spec for spec in FIELDS if spec.name == name).shown_default == shown
+
+
+@pytest.mark.parametrize(
+    "spec", [spec for spec in FIELDS if spec.default != ()], ids=lambda spec: spec.name
+)
+def test_a_shown_default_parses_back_to_the_default(spec: Field) -> None:
+    assert spec.parse(spec.shown_default) == spec.default
 
 
 @pytest.mark.parametrize(

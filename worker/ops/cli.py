@@ -1,7 +1,10 @@
 """The ``worker`` command: run the consumer or a relay, apply migrations, expire inbox keys,
 inspect and replay the dead-letter queue, send demo traffic.
 
-Every setting is a ``WORKER_*`` environment variable and a flag of the same name; a flag wins.
+Every setting is a ``WORKER_*`` environment variable, read by every command. A command takes as
+flags only the settings of the groups it reads (``READS``), each shown once in its ``--help``, and
+refuses another command's setting flag naming the commands that read it; a flag wins over its
+variable. Every command takes the deployment's and the logging's flags.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
@@ -23,65 +26,165 @@ if TYPE_CHECKING:
 from worker import logs
 from worker.errors import ConfigurationError
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
-from worker.settings import (
-    FIELDS,
-    Settings,
-    boolean,
-    duration,
-    durations,
-    format_duration,
-    positive_int,
-)
+from worker.settings import FIELDS, Field, Group, Settings, duration, format_duration, positive_int
 
 log = logging.getLogger("worker")
 _T = TypeVar("_T")
 
 
-def _settings_help() -> str:
-    defaults = Settings()
-    lines = ["settings (environment variable, flag, default):"]
-    for spec in FIELDS:
-        default = getattr(defaults, spec.name)
-        if spec.parse is duration:
-            default = format_duration(default)
-        elif spec.parse is durations:
-            default = ",".join(map(format_duration, default)) or "none"
-        elif isinstance(default, tuple):
-            default = ",".join(default) or "(none)"
-        lines.append(f"  {spec.env:<28} {spec.flag:<22} {default}")
-        lines.append(f"      {spec.help}")
-    return "\n".join(lines)
+EVERY_COMMAND = (Group.DEPLOYMENT, Group.LOGGING)
+"""The groups every command takes as flags: where the deployment is, and how to log."""
+
+READS: Mapping[str, tuple[Group, ...]] = {
+    "run": (
+        *EVERY_COMMAND,
+        Group.CONSUMER,
+        Group.COMPONENTS,
+        Group.PROCESS,
+        Group.ENDPOINT,
+        Group.RELAY,
+        Group.NOTIFY,
+        Group.RETRIES,
+        Group.SWEEP,
+    ),
+    "relay": (*EVERY_COMMAND, Group.PROCESS, Group.ENDPOINT, Group.RELAY, Group.NOTIFY),
+    "gc": (*EVERY_COMMAND, Group.RETRIES, Group.SWEEP),
+    "workflows": EVERY_COMMAND,
+    "dlq list": EVERY_COMMAND,
+    "dlq replay": (*EVERY_COMMAND, Group.RETRIES),
+    "dlq purge": EVERY_COMMAND,
+    "status": (*EVERY_COMMAND, Group.RETRIES),
+    "outbox list": EVERY_COMMAND,
+    "outbox retry": (*EVERY_COMMAND, Group.NOTIFY),
+    "verify": (*EVERY_COMMAND, Group.RETRIES),
+    "health": (*EVERY_COMMAND, Group.ENDPOINT),
+    "migrate": EVERY_COMMAND,
+    "demo": (*EVERY_COMMAND, Group.RETRIES),
+}
+"""Each command and the groups of settings it reads, hence takes as flags.
+
+RETRIES goes with inbox_retention (gc, dlq replay) as well as with the retry queues' names
+(status, verify, demo's topology): Settings refuses a retention shorter than the retry chain, so
+a command that takes one of the two must take the other."""
 
 
-def _settings_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False)
-    group = parser.add_argument_group("settings (each flag overrides its WORKER_* variable)")
-    for spec in FIELDS:
-        if spec.parse is boolean:
-            group.add_argument(
-                spec.flag,
-                dest=spec.name,
-                action=argparse.BooleanOptionalAction,
-                default=None,
-                help=f"{spec.help} [{spec.env}]",
-            )
-            continue
-        group.add_argument(
+def readers(group: Group) -> list[str]:
+    """The commands that read ``group``'s settings, in ``READS`` order."""
+    return [command for command, groups in READS.items() if group in groups]
+
+
+def _flag_help(spec: Field) -> str:
+    help = f"{spec.help} [{spec.env}; default {spec.shown_default}]"
+    return help.replace("%", "%%")
+
+
+def _add_flag(section: argparse._ArgumentGroup, spec: Field) -> None:
+    """``spec``'s flag (``--x`` / ``--no-x`` for a switch); None unless given."""
+    if spec.switch:
+        section.add_argument(
+            spec.flag,
+            dest=spec.name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=_flag_help(spec),
+        )
+    else:
+        section.add_argument(
             spec.flag,
             dest=spec.name,
             type=spec.parse,
             default=None,
             metavar=spec.name.upper(),
-            help=f"{spec.help} [{spec.env}]",
+            help=_flag_help(spec),
         )
-    return parser
+
+
+class _Refused(argparse.Action):
+    """The flag of a setting the command does not read: a usage error that says who reads it,
+    rather than argparse's "unrecognized arguments" (or a prefix match with another flag)."""
+
+    def __init__(self, option_strings: list[str], dest: str, refusal: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs="?", default=argparse.SUPPRESS, **kwargs)
+        self.refusal = refusal
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        parser.print_usage(sys.stderr)
+        parser.exit(2, f"worker: error: {option_string} {self.refusal}\n")
+
+
+def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
+    """The flags of the settings ``command`` reads, a section per group; the others refused."""
+    reads = READS[command]
+    for group in (group for group in Group if group in reads):
+        section = parser.add_argument_group(group.value)
+        for spec in (spec for spec in FIELDS if spec.group is group):
+            _add_flag(section, spec)
+    for spec in (spec for spec in FIELDS if spec.group not in reads):
+        parser.add_argument(
+            *spec.flags,
+            dest=spec.name,
+            action=_Refused,
+            refusal=f"is not a setting of {command!r} "
+            f"(it is read by: {', '.join(readers(spec.group))})",
+            help=argparse.SUPPRESS,
+        )
+
+
+def settings_table() -> str:
+    """The README's settings table, between its ``settings:begin`` and ``settings:end``
+    markers: a row per setting, in declaration order, with the commands that take its flag."""
+    rows = [
+        "| variable | flag | default | flag of | meaning |",
+        "|---|---|---|---|---|",
+        *(_table_row(spec) for spec in FIELDS),
+    ]
+    return "\n".join(rows) + "\n"
+
+
+def _table_row(spec: Field) -> str:
+    takers = readers(spec.group)
+    cells = (
+        f"`{spec.env}`",
+        " / ".join(f"`{flag}`" for flag in spec.flags),
+        f"`{spec.shown_default}`",
+        "every command" if takers == list(READS) else ", ".join(f"`{c}`" for c in takers),
+        spec.help,
+    )
+    return "| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |"
+
+
+_SETTING_NAMES = frozenset(spec.name for spec in FIELDS)
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Usage names a command's own options, then ``[--SETTING ...]``: its settings are listed
+    once, in their sections below."""
+
+    def _format_usage(
+        self,
+        usage: str | None,
+        actions: Iterable[argparse.Action],
+        groups: Iterable[argparse._MutuallyExclusiveGroup],
+        prefix: str | None,
+    ) -> str:
+        actions = list(actions)
+        own = [action for action in actions if action.dest not in _SETTING_NAMES]
+        text = super()._format_usage(usage, own, groups, prefix)
+        if usage is not None or len(own) == len(actions):
+            return text
+        return text.rstrip("\n") + " [--SETTING ...]\n\n"
 
 
 Action = Callable[[Settings, argparse.Namespace], int]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    common = _settings_parser()
     parser = argparse.ArgumentParser(
         prog="worker",
         description=(
@@ -89,23 +192,26 @@ def build_parser() -> argparse.ArgumentParser:
             "PostgreSQL together with the events it emits (transactional outbox); the message "
             "is acked only after that commit."
         ),
-        epilog=_settings_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "Each command's --help lists the settings it reads, as flags. Every setting is also "
+            "a WORKER_* environment variable, which every command reads; a flag wins over it."
+        ),
+        formatter_class=_HelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def command(
         group: Any, name: str, func: Action, summary: str, description: str
     ) -> argparse.ArgumentParser:
-        """A subcommand that takes every setting as a flag and runs ``func``."""
+        """The subcommand ``name`` (``dlq list``: ``list`` of ``dlq``), which takes the settings
+        it reads as flags and runs ``func``."""
         sub: argparse.ArgumentParser = group.add_parser(
-            name,
-            parents=[common],
+            name.split()[-1],
             help=summary,
             description=description,
-            epilog=_settings_help(),
-            formatter_class=argparse.RawDescriptionHelpFormatter,
+            formatter_class=_HelpFormatter,
         )
+        _add_settings(sub, name)
         sub.set_defaults(func=func)
         return sub
 
@@ -115,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
         _run,
         "consume the work queue with the given handler modules",
         "Declare the topology and consume until SIGTERM/SIGINT. Handler modules come from "
-        f"--handlers, WORKER_HANDLERS and the {ENTRY_POINT_GROUP!r} entry-point group.",
+        f"the handlers setting and the {ENTRY_POINT_GROUP!r} entry-point group.",
     )
     command(
         commands,
@@ -131,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
         _gc,
         "delete inbox keys older than the retention window, once",
         "One janitor sweep: delete completed and failed inbox keys older than "
-        "--inbox-retention in batches, unless another janitor is sweeping right now.",
+        "inbox_retention in batches, unless another janitor is sweeping right now.",
     )
 
     workflows = command(
@@ -156,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_commands = dlq.add_subparsers(dest="dlq_command", required=True, metavar="ACTION")
     dlq_list = command(
         dlq_commands,
-        "list",
+        "dlq list",
         _dlq_list,
         "show what is parked and why (the messages stay parked)",
         "Show the parked messages, oldest first, one line each as it is read; the queue is "
@@ -170,12 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     _dlq_filters(dlq_list)
     dlq_replay = command(
         dlq_commands,
-        "replay",
+        "dlq replay",
         _dlq_replay,
         "clear the failed state and send parked messages back to the work queue",
         "For each parked message that the filters select (oldest first): forget that its key "
         "failed, send it back to the work queue, remove it from the DLQ. Each replayed message "
-        "runs once. A message parked longer ago than --inbox-retention is refused and stays "
+        "runs once. A message parked longer ago than inbox_retention is refused and stays "
         "parked (its key may have expired from the inbox, so it could run twice) unless "
         "--force. One line per message, then a summary.",
     )
@@ -189,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     dlq_purge = command(
         dlq_commands,
-        "purge",
+        "dlq purge",
         _dlq_purge,
         "delete the parked messages the filters select",
         "Delete each parked message that the filters select (all of them with --all); the "
@@ -224,7 +330,7 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     outbox_list = command(
         outbox_commands,
-        "list",
+        "outbox list",
         _outbox_list,
         "show the parked outbox rows (they stay parked)",
         "Show the parked outbox rows, parked longest first, without their bodies.",
@@ -233,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     outbox_list.add_argument("--json", action="store_true", help="one JSON object per line")
     outbox_retry = command(
         outbox_commands,
-        "retry",
+        "outbox retry",
         _outbox_retry,
         "move parked outbox rows back into the outbox, to be published again",
         "In one transaction, move the parked rows (those with --id, or --all) back into the "
