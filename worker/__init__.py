@@ -5,7 +5,7 @@ from worker.core.envelope import Delivery
 from worker.core.handler import Handler, HandlerKind
 from worker.core.router import Router
 from worker.core.workflows import Workflow, WorkflowBusy
-from worker.errors import Permanent, Rejected, Retryable, WorkerError
+from worker.errors import MessageFailed, Permanent, Rejected, Retryable, WorkerError
 from worker.settings import Settings
 from worker.sql.rows import OutboxMessage
 
@@ -15,6 +15,7 @@ __all__ = [
     "Delivery",
     "Handler",
     "HandlerKind",
+    "MessageFailed",
     "OutboxMessage",
     "Permanent",
     "Rejected",

@@ -147,17 +147,22 @@ class Permanent(WorkerError):
 
 
 class MessageFailed(WorkerError):
-    """One message of a batch handler's batch failed; the others may go on without it.
+    """Some messages of a batch handler's batch failed; the others may go on without them.
 
-    A batch handler raises ``MessageFailed(i) from exc`` to name the culprit by its index in the
-    bodies it was given: the batch runs again without it, and it runs on its own, where its
-    failure takes its usual path (classified by ``exc``). Without it, the worker finds the
-    culprit by bisection, which costs more handler calls.
+    A batch handler raises ``MessageFailed(i, j, ...) from exc`` to name the culprits by their
+    indices in the bodies it was given: the batch runs again without them, and each runs on its
+    own, where its failure takes its usual path, as ``exc`` (the cause is what is classified,
+    logged and parked). Without it, the worker finds culprits by bisection, which costs more
+    handler calls.
     """
 
-    def __init__(self, index: int, message: str | None = None) -> None:
-        super().__init__(message or f"message {index} of the batch failed")
-        self.index = index
+    def __init__(self, *indices: int, message: str | None = None) -> None:
+        if not indices:
+            raise ValueError("MessageFailed names at least one message by its index")
+        super().__init__(
+            message or f"message(s) {', '.join(map(str, indices))} of the batch failed"
+        )
+        self.indices = indices
 
 
 class Retryable(WorkerError):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.dialects.postgresql import insert
 
 from examples.payments.tables import accounts, ledger_entries, metadata, settlement_notices
-from worker import Batch, Context, Router
+from worker import Batch, Context, MessageFailed, Permanent, Router
 
 router = Router(
     "payments", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata
@@ -53,30 +53,39 @@ RETURNING account, balance_cents
 RECORD_LEDGER_ENTRIES = """
 INSERT INTO ledger_entries (payment_id, account, amount_cents)
 SELECT * FROM unnest($1::text[], $2::text[], $3::bigint[])
+ON CONFLICT (payment_id) DO NOTHING
+RETURNING payment_id
 """
+
+
+class DuplicatePayment(Permanent):
+    """This payment id was settled before under another idempotency key: paying it again would
+    charge twice, so the message is dead-lettered for a person to look at."""
 
 
 @router.batch_handler("payment.requested")
 async def settle_payments(payments: list[PaymentRequested], batch: Batch) -> list[dict[str, Any]]:
-    """Credit the accounts, record the ledger entries and emit one ``payment.settled`` each.
+    """Record the ledger entries, credit the accounts and emit one ``payment.settled`` each.
 
     A batch handler: it gets every payment of a batch (distinct idempotency keys) and writes them
-    set-based, one upsert for the accounts (in account order, so concurrent batches lock them in
-    the same order) and one insert for the ledger, each one statement whatever the batch's size,
-    sent on ``batch.asyncpg`` (the transaction's own asyncpg connection: the fastest way; the
-    same writes through SQLAlchemy Core are ``settle_payments_with_sqlalchemy``). A message
-    handled alone is a batch of one.
+    set-based, one insert for the ledger and one upsert for the accounts (in account order, so
+    concurrent batches lock them in the same order), each one statement whatever the batch's
+    size, sent on ``batch.asyncpg`` (the transaction's own asyncpg connection: the fastest way;
+    the same writes through SQLAlchemy Core are ``settle_payments_with_sqlalchemy``). A payment
+    id already in the ledger under another key fails its message alone (``MessageFailed``): the
+    rest of the batch goes on without it. A message handled alone is a batch of one.
     """
-    totals = _totals(payments)
-    accounts_in_order = sorted(totals)
-    credited = await batch.asyncpg.fetch(
-        CREDIT_ACCOUNTS, accounts_in_order, [totals[a] for a in accounts_in_order]
-    )
-    await batch.asyncpg.execute(
+    recorded = await batch.asyncpg.fetch(
         RECORD_LEDGER_ENTRIES,
         [p.payment_id for p in payments],
         [p.account for p in payments],
         [p.amount_cents for p in payments],
+    )
+    _refuse_duplicates(payments, {row[0] for row in recorded})
+    totals = _totals(payments)
+    accounts_in_order = sorted(totals)
+    credited = await batch.asyncpg.fetch(
+        CREDIT_ACCOUNTS, accounts_in_order, [totals[a] for a in accounts_in_order]
     )
     return _settle(payments, batch, totals, {row[0]: row[1] for row in credited})
 
@@ -86,6 +95,19 @@ async def settle_payments_with_sqlalchemy(
 ) -> list[dict[str, Any]]:
     """``settle_payments`` with its two writes through SQLAlchemy Core on ``batch.connection``
     (the same transaction); ``benchmarks/throughput.py`` measures the two against each other."""
+    record = (
+        insert(ledger_entries)
+        .on_conflict_do_nothing(index_elements=[ledger_entries.c.payment_id])
+        .returning(ledger_entries.c.payment_id)
+    )
+    recorded = await batch.connection.execute(
+        record,
+        [
+            {"payment_id": p.payment_id, "account": p.account, "amount_cents": p.amount_cents}
+            for p in payments
+        ],
+    )
+    _refuse_duplicates(payments, {row.payment_id for row in recorded})
     totals = _totals(payments)
     new = insert(accounts)
     credit = new.on_conflict_do_update(
@@ -96,14 +118,24 @@ async def settle_payments_with_sqlalchemy(
     balances = {
         row.account: row.balance_cents for row in await batch.connection.execute(credit, credits)
     }
-    await batch.connection.execute(
-        insert(ledger_entries),
-        [
-            {"payment_id": p.payment_id, "account": p.account, "amount_cents": p.amount_cents}
-            for p in payments
-        ],
-    )
     return _settle(payments, batch, totals, balances)
+
+
+def _refuse_duplicates(payments: list[PaymentRequested], recorded: set[str]) -> None:
+    """Raise ``MessageFailed`` naming each payment the ledger did not take: its id was in the
+    ledger already, or earlier in this batch (the insert takes the rows in the batch's order)."""
+    taken: set[str] = set()
+    duplicates = []
+    for index, payment in enumerate(payments):
+        if payment.payment_id in recorded and payment.payment_id not in taken:
+            taken.add(payment.payment_id)
+        else:
+            duplicates.append(index)
+    if duplicates:
+        ids = ", ".join(sorted({payments[i].payment_id for i in duplicates}))
+        raise MessageFailed(*duplicates) from DuplicatePayment(
+            f"payment {ids} was settled before under another idempotency key"
+        )
 
 
 def _totals(payments: list[PaymentRequested]) -> dict[str, int]:

@@ -224,7 +224,7 @@ async def test_a_failing_message_in_a_batch_alone_takes_the_failure_path(
     assert worker.stats["multiple_acks"] >= 1
     assert await scalar(engine, "SELECT sum(balance_cents) FROM accounts") == 600
     failed = await rows(engine, "SELECT key, error FROM inbox WHERE status = 'failed'")
-    assert [(r.key, r.error.split(":")[0]) for r in failed] == [("k-bad", "IntegrityError")]
+    assert [(r.key, r.error.split(":")[0]) for r in failed] == [("k-bad", "DuplicatePayment")]
     assert await broker_depth(settings.queue) == 0
     assert await broker_depth(settings.dead_letter_queue) == 1
 

@@ -115,7 +115,7 @@ async def test_a_failing_handler_is_dead_lettered_and_its_key_recorded_as_failed
     again = await harness.deliver("payment.requested", payment("p1"), key="k2")
 
     assert (failed.outcome, failed.reason) == ("dead_lettered", "handler-error")
-    assert failed.exception_type == "IntegrityError"
+    assert failed.exception_type == "DuplicatePayment"
     assert failed.dead_letter_headers[dlq.HANDLER] == "payment.requested"
     assert again.outcome == "duplicate_of_failed"
     assert await rows(engine, "SELECT key, status, attempts FROM inbox ORDER BY key") == [

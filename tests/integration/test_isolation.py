@@ -111,9 +111,9 @@ async def test_two_plain_culprits_are_both_taken_out(engine: AsyncEngine) -> Non
     }
 
 
-async def test_a_batch_handler_culprit_is_found_by_bisection(engine: AsyncEngine) -> None:
+async def test_the_payments_handler_names_a_payment_settled_twice(engine: AsyncEngine) -> None:
     # Given a batch of payments where k-bad reuses p3's payment id under another key: the
-    # payments batch handler's set-based ledger insert fails, naming no culprit
+    # payments batch handler finds it in its set-based ledger insert and names it
     batch = [requested(f"p{n}", f"k{n}", cents=n) for n in range(1, 9)]
     batch.insert(5, requested("p3", "k-bad", cents=1000))
 
@@ -122,8 +122,13 @@ async def test_a_batch_handler_culprit_is_found_by_bisection(engine: AsyncEngine
 
     # Then exactly one of the two deliveries of p3 is isolated (the later in key order), the
     # other eight payments took effect once and emitted their events
-    isolated = [e.key for e, end in zip(batch, ends, strict=True) if isinstance(end, Isolated)]
-    assert isolated == ["k3"]  # "k-bad" sorts before "k3": it ran, and k3's p3 was the repeat
+    isolated = [
+        (e.key, type(end.error).__name__)
+        for e, end in zip(batch, ends, strict=True)
+        if isinstance(end, Isolated)
+    ]
+    # "k-bad" sorts before "k3": it ran, and k3's p3 was the repeat
+    assert isolated == [("k3", "DuplicatePayment")]
     assert sum(end is Outcome.PROCESSED for end in ends) == 8
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 1000 + sum(range(1, 9)) - 3
     assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == 8
@@ -131,7 +136,17 @@ async def test_a_batch_handler_culprit_is_found_by_bisection(engine: AsyncEngine
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'k3'") == 0
 
 
-async def test_a_batch_handler_that_names_its_culprit_runs_once_more(engine: AsyncEngine) -> None:
+@pytest.mark.parametrize(
+    ("at_once", "runs"),
+    [
+        (True, [[1, 2, 3, 4, 5, 6, 7], [1, 3, 4, 5, 7]]),
+        (False, [[1, 2, 3, 4, 5, 6, 7], [1, 3, 4, 5, 6, 7], [1, 3, 4, 5, 7]]),
+    ],
+    ids=["named-together", "named-one-by-one"],
+)
+async def test_a_batch_handler_that_names_its_culprits_runs_once_more_per_naming(
+    engine: AsyncEngine, at_once: bool, runs: list[list[int]]
+) -> None:
     router = Router()
     calls: list[list[int]] = []
 
@@ -142,19 +157,18 @@ async def test_a_batch_handler_that_names_its_culprit_runs_once_more(engine: Asy
             "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)",
             [(f"a{n}", n) for n in bodies],
         )
-        for index, body in enumerate(bodies):
-            if body in (2, 6):
-                raise MessageFailed(index) from ValueError(f"{body} is bad")
+        bad = [index for index, body in enumerate(bodies) if body in (2, 6)]
+        if bad:
+            raise MessageFailed(*(bad if at_once else bad[:1])) from ValueError("bad ones")
         return bodies
 
     batch = [envelope(router, "many", n, f"k{n}") for n in range(1, 8)]
     ends = await process_batch(engine, batch, UNIT)
 
-    assert [n for n, end in zip(range(1, 8), ends, strict=True) if isinstance(end, Isolated)] == [
-        2,
-        6,
-    ]
-    assert calls == [[1, 2, 3, 4, 5, 6, 7], [1, 3, 4, 5, 6, 7], [1, 3, 4, 5, 7]]
+    isolated = [n for n, end in zip(range(1, 8), ends, strict=True) if isinstance(end, Isolated)]
+    assert isolated == [2, 6]
+    assert all(str(end.error) == "bad ones" for end in ends if isinstance(end, Isolated))
+    assert calls == runs
     assert await accounts(engine) == {"a1", "a3", "a4", "a5", "a7"}
 
 
@@ -232,31 +246,32 @@ async def test_too_many_failures_fail_the_whole_batch(engine: AsyncEngine) -> No
 async def test_framework_statements_and_every_handler_connection_share_one_transaction(
     engine: AsyncEngine,
 ) -> None:
-    # Given a handler that reads the transaction id through each of its three connections
+    # Given a handler that reads, through each of its three connections, the transaction id and
+    # its own key's inbox row: the claim, uncommitted, visible only inside the claiming transaction
     router = Router()
-    seen: list[int] = []
+    seen: list[Any] = []
 
     @router.handler("xid")
     async def xid(body: int, ctx: Context) -> None:
-        query = "SELECT pg_current_xact_id()::text::bigint % 4294967296"
-        seen.append((await ctx.connection.execute(text(query))).scalar_one())
-        seen.append((await ctx.session.execute(text(query))).scalar_one())
-        seen.append(await ctx.asyncpg.fetchval(query))
+        query = "SELECT pg_current_xact_id()::text, status FROM inbox WHERE key = :key"
+        seen.append(tuple((await ctx.connection.execute(text(query), {"key": ctx.key})).one()))
+        seen.append(tuple((await ctx.session.execute(text(query), {"key": ctx.key})).one()))
+        raw = query.replace(":key", "$1")
+        seen.append(tuple(await ctx.asyncpg.fetchrow(raw, ctx.key)))
         ctx.publish("xid.seen", {"n": body})
 
-    # When two messages run in a batch (savepoints in between) and one alone
+    # When two messages run in a batch (a savepoint before the handlers) and one alone
     await process_batch(engine, [envelope(router, "xid", n, f"k{n}") for n in (1, 2)], UNIT)
     await process_batch(engine, [envelope(router, "xid", 3, "k3")], UNIT)
 
-    # Then within each unit of work the handler, the inbox row and the outbox rows were
-    # written by one transaction
-    by_key = dict(await rows(engine, "SELECT key, xmin::text::bigint FROM inbox"))
-    events = [r[0] for r in await rows(engine, "SELECT xmin::text::bigint FROM outbox ORDER BY id")]
-    assert seen[0:6] == [by_key["k1"]] * 6
-    assert by_key["k1"] == by_key["k2"]
-    assert seen[6:9] == [by_key["k3"]] * 3
-    assert by_key["k3"] != by_key["k1"]
-    assert events == [by_key["k1"], by_key["k1"], by_key["k3"]]
+    # Then each handler saw its claim in progress, and one transaction id per unit of work
+    assert [status for _, status in seen] == ["in_progress"] * 9
+    batch_xids = {xid for xid, _ in seen[:6]}
+    alone_xids = {xid for xid, _ in seen[6:]}
+    assert len(batch_xids) == len(alone_xids) == 1
+    assert batch_xids != alone_xids
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'completed'") == 3
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 3
 
 
 async def test_a_crash_mid_isolation_acks_nothing_and_the_restart_applies_each_once(

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from worker.core.envelope import Envelope
 from worker.core.outcomes import Outcome
 from worker.errors import KeyReused
 from worker.sql import inbox
+from worker.sql.driver import Connection
 from worker.sql.rows import InboxEntry, InboxKey
 
 Settled = Outcome | KeyReused
@@ -23,7 +22,7 @@ Settled = Outcome | KeyReused
 
 
 async def claim_all(
-    conn: AsyncConnection,
+    conn: Connection,
     envelopes: Sequence[Envelope],
     *,
     owner: str | None = None,
@@ -34,18 +33,18 @@ async def claim_all(
     claims: dict[InboxKey, InboxEntry | None] = {}
     pending = list(envelopes)
     while pending:
-        claimed = await inbox.claim_keys(conn, [e.claim for e in pending], owner=owner, lease=lease)
+        claimed, existing = await inbox.claim_keys(
+            conn, [e.claim for e in pending], owner=owner, lease=lease
+        )
         claims.update(dict.fromkeys(claimed))
-        taken = [e for e in pending if e.inbox_key not in claimed]
-        existing = await inbox.fetch_keys(conn, [e.inbox_key for e in taken]) if taken else {}
         claims.update(existing)
-        # a row that vanished between the two statements (the janitor): claim it again
-        pending = [e for e in taken if e.inbox_key not in existing]
+        # committed while the claim waited on it, or deleted by the janitor: claim it again
+        pending = [e for e in pending if e.inbox_key not in claims]
     return claims
 
 
 async def claim(
-    conn: AsyncConnection,
+    conn: Connection,
     envelope: Envelope,
     *,
     owner: str | None = None,

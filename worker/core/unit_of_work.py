@@ -28,7 +28,7 @@ from worker.core.handler import Handler, HandlerKind
 from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed, KeyReused, MessageFailed, is_transient
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, UNIT_OF_WORK_ISOLATING, crash_point
-from worker.sql import inbox, outbox
+from worker.sql.batch import finish_batch
 from worker.sql.driver import in_transaction
 from worker.sql.rows import InboxKey
 
@@ -66,12 +66,12 @@ async def process_batch(
     the commit and ``config.on_events`` is called after it.
 
     A handler that fails in a batch of several runnable messages does not fail the batch: its
-    handler group is rolled back to the savepoint it started from and run again without the
-    culprit (a plain handler's culprit is the message it was called for; a batch handler names
-    it with ``MessageFailed``, or it is found by bisection), and the culprit ends ``Isolated``,
-    its key unclaimed, for the caller to run alone. Anything else that fails (the claim, the
-    outbox, the commit, a batch of one) fails the whole transaction and nothing commits: a
-    permanent failure raises ``HandlerFailed``, a transient one raises as it is.
+    handler group is rolled back to the savepoint it started from and run again without the culprits
+    (a plain handler's culprit is the message it was called for; a batch handler names its culprits
+    with ``MessageFailed``, else they are found by bisection), and each culprit ends ``Isolated``,
+    its key unclaimed, for the caller to run alone. Anything else that fails (the claim, the outbox,
+    the commit, a batch of one) fails the whole transaction and nothing commits: a permanent failure
+    raises ``HandlerFailed``, a transient one raises as it is.
     """
     by_key: dict[InboxKey, list[int]] = {}
     for index in sorted(range(len(envelopes)), key=lambda i: envelopes[i].inbox_key):
@@ -87,13 +87,13 @@ async def process_batch(
             results = await isolation.run(contexts)
             done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
             events = [m for ctx in done for m in ctx.outbox]
-            await outbox.append_outbox(driver, events, notify=config.notify)
-            if done:
-                await inbox.complete_keys(
-                    driver, [(*ctx.envelope.inbox_key, results[id(ctx)]) for ctx in done]
-                )
-            if isolation.culprits:
-                await inbox.release_keys(driver, list(isolation.culprits))
+            await finish_batch(
+                driver,
+                [(*ctx.envelope.inbox_key, results[id(ctx)]) for ctx in done],
+                list(isolation.culprits),
+                events,
+                notify=config.notify,
+            )
             crash_point(UNIT_OF_WORK_BEFORE_COMMIT, len(envelopes))
         except Exception as exc:
             if is_transient(exc):
@@ -121,9 +121,10 @@ async def process_batch(
 
 @dataclass(frozen=True)
 class _Failed:
-    """A handler call of a group failed; ``index`` is the culprit's place in it when known."""
+    """A handler call of a group failed: ``indices`` are the culprits' places in the group where
+    they are known (empty: find them), ``error`` what a culprit run alone fails with."""
 
-    index: int | None
+    indices: tuple[int, ...]
     error: Exception
 
 
@@ -152,20 +153,20 @@ class _Isolation:
                 await self._savepoint()
             outcome = await _call(self.conn, self.driver, handler, members)
             if not isinstance(outcome, _Failed):
-                if self.enabled:
-                    await self.driver.execute(f"RELEASE SAVEPOINT {ISOLATION_SAVEPOINT}")
-                return outcome
+                return outcome  # (its savepoint is released at commit: no round trip for it)
             if not self.enabled:
                 raise outcome.error
             await self._roll_back(members)
             crash_point(UNIT_OF_WORK_ISOLATING)
-            if outcome.index is None and len(members) > 1:  # a batch handler's, unnamed
+            if not outcome.indices and len(members) > 1:  # a batch handler's, unnamed
                 half = len(members) // 2
                 results = await self._run_group(handler, members[:half])
                 results.update(await self._run_group(handler, members[half:]))
                 return results
-            culprit = members.pop(outcome.index or 0)
-            self.culprits[culprit.envelope.inbox_key] = outcome.error
+            culprits = set(outcome.indices) or {0}
+            for index in culprits:
+                self.culprits[members[index].envelope.inbox_key] = outcome.error
+            members = [ctx for index, ctx in enumerate(members) if index not in culprits]
         return {}
 
     async def _savepoint(self) -> None:
@@ -196,7 +197,7 @@ async def _call(
                 results[id(ctx)] = await handler.func(ctx.envelope.payload, ctx)
                 await ctx.flush()
             except Exception as exc:
-                return _Failed(index, exc)
+                return _Failed((index,), exc)
         return results
     batch = Batch(conn, members, asyncpg=driver)
     try:
@@ -205,9 +206,11 @@ async def _call(
         for ctx in members:
             await ctx.flush()
     except MessageFailed as exc:
-        return _Failed(exc.index if 0 <= exc.index < len(members) else None, exc)
+        named = tuple(i for i in exc.indices if 0 <= i < len(members))
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        return _Failed(named if len(named) == len(exc.indices) else (), cause)
     except Exception as exc:
-        return _Failed(None, exc)
+        return _Failed((), exc)
     finally:
         await batch.close()
     if returned is None:

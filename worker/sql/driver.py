@@ -26,17 +26,29 @@ async def in_transaction(conn: Connection) -> Any:
     """The asyncpg connection of ``conn``'s open transaction.
 
     SQLAlchemy's asyncpg adapter sends ``BEGIN`` lazily, with the first statement of a
-    transaction; when none was sent yet, one is (``SELECT 1``) so that what follows on the driver
+    transaction; when none was sent yet, it is sent now, so that what follows on the driver
     belongs to the transaction. Raises ``NotInTransaction`` for a connection with no transaction.
     """
     if isinstance(conn, AsyncConnection):
         if not conn.in_transaction():
             raise NotInTransaction(NotInTransaction.__doc__)
-        driver = (await conn.get_raw_connection()).driver_connection
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
         assert driver is not None  # (None only for a connection already closed)
         if not driver.is_in_transaction():
-            await conn.exec_driver_sql("SELECT 1")
+            await _begin(conn, raw.dbapi_connection)
         return driver
     if not conn.is_in_transaction():
         raise NotInTransaction(NotInTransaction.__doc__)
     return conn
+
+
+async def _begin(conn: AsyncConnection, adapter: Any) -> None:
+    """Have SQLAlchemy's asyncpg adapter begin its transaction now: through the coroutine its own
+    cursor awaits before a transaction's first statement (no statement of ours, no greenlet), or,
+    where this SQLAlchemy version has no such coroutine, through a statement of its own."""
+    start = getattr(adapter, "_start_transaction", None)
+    if start is not None and getattr(adapter, "_transaction", False) is None:
+        await start()
+    else:
+        await conn.exec_driver_sql("SELECT 1")

@@ -26,14 +26,24 @@ from worker.sql.rows import MAX_ATTEMPTS, InboxEntry, InboxKey, KeyClaim
 from worker.sql.tables import inbox, workflow_steps
 
 CLAIM_KEYS = """
-INSERT INTO inbox (handler, key, fingerprint, message_id, routing_key, status, owner, lease_until)
-SELECT c.handler, c.key, c.fingerprint, c.message_id, c.routing_key, 'in_progress', $6::text,
-       now() + make_interval(secs => $7::float8)
-FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[])
-     WITH ORDINALITY AS c(handler, key, fingerprint, message_id, routing_key, position)
-ORDER BY c.position
-ON CONFLICT (handler, key) DO NOTHING
-RETURNING handler, key
+WITH claims AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::text[])
+         WITH ORDINALITY AS c(handler, key, fingerprint, message_id, routing_key, position)
+), claimed AS (
+    INSERT INTO inbox (handler, key, fingerprint, message_id, routing_key, status, owner,
+                       lease_until)
+    SELECT c.handler, c.key, c.fingerprint, c.message_id, c.routing_key, 'in_progress', $6::text,
+           now() + make_interval(secs => $7::float8)
+    FROM claims AS c
+    ORDER BY c.position
+    ON CONFLICT (handler, key) DO NOTHING
+    RETURNING handler, key
+)
+SELECT c.handler, c.key, d.key IS NOT NULL AS claimed, e.status, e.fingerprint,
+       e.result::text AS result, e.error
+FROM claims AS c
+LEFT JOIN claimed AS d ON d.handler = c.handler AND d.key = c.key
+LEFT JOIN inbox AS e ON d.key IS NULL AND e.handler = c.handler AND e.key = c.key
 """
 
 FETCH_KEYS = """
@@ -42,19 +52,40 @@ FROM unnest($1::text[], $2::text[]) AS k(handler, key)
 JOIN inbox AS i ON i.handler = k.handler AND i.key = k.key
 """
 
-COMPLETE_KEYS = """
+
+def mark_completed(first: int) -> str:
+    """``UPDATE inbox`` marking keys completed with their results, given as three arrays,
+    parameters ``$first`` to ``$first+2`` (handlers, keys, results as JSON text)."""
+    p = [f"${first + i}" for i in range(3)]
+    return f"""
 UPDATE inbox AS i
 SET status = 'completed', result = d.result::jsonb, owner = NULL, lease_until = NULL,
     updated_at = now()
-FROM unnest($1::text[], $2::text[], $3::text[]) AS d(handler, key, result)
+FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::text[]) AS d(handler, key, result)
 WHERE i.handler = d.handler AND i.key = d.key
 """
 
-RELEASE_KEYS = """
+
+def delete_claims(first: int) -> str:
+    """``DELETE FROM inbox`` of this transaction's in-progress claims of keys given as two
+    arrays, parameters ``$first`` and ``$first+1`` (handlers, keys)."""
+    return f"""
 DELETE FROM inbox AS i
-USING unnest($1::text[], $2::text[]) AS r(handler, key)
+USING unnest(${first}::text[], ${first + 1}::text[]) AS r(handler, key)
 WHERE i.handler = r.handler AND i.key = r.key AND i.status = 'in_progress'
 """
+
+
+COMPLETE_KEYS = mark_completed(1)
+
+
+def completion_arrays(results: Sequence[tuple[str, str, Any]]) -> list[list[Any]]:
+    """The three arrays ``mark_completed`` takes, from (handler, key, result)."""
+    return [
+        [handler for handler, _, _ in results],
+        [key for _, key, _ in results],
+        [json.dumps(to_jsonable(result)) for _, _, result in results],
+    ]
 
 
 async def claim_keys(
@@ -63,13 +94,16 @@ async def claim_keys(
     *,
     owner: str | None = None,
     lease: float | None = None,
-) -> set[InboxKey]:
-    """Insert the claims' inbox rows in one statement; return the keys it claimed (the others
-    were taken). The claims must have distinct keys, in the caller's lock order.
+) -> tuple[set[InboxKey], dict[InboxKey, InboxEntry]]:
+    """Insert the claims' inbox rows in one statement; return the keys it claimed and the
+    committed entries of those others had taken. The claims must have distinct keys, in the
+    caller's lock order.
 
     A concurrent claim of the same key waits here until the other transaction ends: it then sees
-    the committed row (not claimed) or, if the other rolled back, takes the key itself. A
-    workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
+    the committed row (not claimed) or, if the other rolled back, takes the key itself. A key
+    committed by another transaction while this statement waited is neither claimed nor found
+    (the statement's snapshot predates it), nor is one the janitor deleted meanwhile: claim such
+    keys again. A workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
     """
     driver = await in_transaction(conn)
     rows = await driver.fetch(
@@ -82,7 +116,17 @@ async def claim_keys(
         owner,
         lease,
     )
-    return {(row[0], row[1]) for row in rows}
+    claimed = {(row[0], row[1]) for row in rows if row[2]}
+    existing = {(row[0], row[1]): _entry(row[3:]) for row in rows if row[3] is not None}
+    return claimed, existing
+
+
+def _entry(row: Sequence[Any]) -> InboxEntry:
+    """An ``InboxEntry`` from (status, fingerprint, result as JSON text, error)."""
+    status, fingerprint, result, error = row
+    return InboxEntry(
+        status, bytes(fingerprint), None if result is None else json.loads(result), error
+    )
 
 
 def interval(value: float) -> Any:
@@ -94,31 +138,14 @@ async def fetch_keys(conn: Connection, keys: Sequence[InboxKey]) -> dict[InboxKe
     """The committed inbox rows of ``keys`` that exist."""
     driver = await in_transaction(conn)
     rows = await driver.fetch(FETCH_KEYS, [h for h, _ in keys], [k for _, k in keys])
-    return {
-        (row[0], row[1]): InboxEntry(
-            row[2], bytes(row[3]), None if row[4] is None else json.loads(row[4]), row[5]
-        )
-        for row in rows
-    }
+    return {(row[0], row[1]): _entry(row[2:]) for row in rows}
 
 
 async def complete_keys(conn: Connection, results: Sequence[tuple[str, str, Any]]) -> None:
     """Mark each (handler, key, result)'s key completed and store the handler's result with it,
     in one statement."""
     driver = await in_transaction(conn)
-    await driver.execute(
-        COMPLETE_KEYS,
-        [handler for handler, _, _ in results],
-        [key for _, key, _ in results],
-        [json.dumps(to_jsonable(result)) for _, _, result in results],
-    )
-
-
-async def release_keys(conn: Connection, keys: Sequence[InboxKey]) -> None:
-    """Give up this transaction's claims of ``keys`` (in progress, claimed by it): deliveries that
-    were taken out of their batch, to run on their own after it commits."""
-    driver = await in_transaction(conn)
-    await driver.execute(RELEASE_KEYS, [h for h, _ in keys], [k for _, k in keys])
+    await driver.execute(COMPLETE_KEYS, *completion_arrays(results))
 
 
 async def record_failure(

@@ -36,28 +36,63 @@ RETRY_DELAY_CAP_SECONDS = 300.0
 """A failed outbox row is retried at least this often, however many attempts it has had."""
 
 
-LOCK_ORDERING_KEYS = f"""
-SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
-FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
-"""
+def lock_keys(param: int) -> str:
+    """The expression that takes the advisory lock of each ordering key in the array
+    ``$param``, in the array's order, held until commit (an aggregate: one row)."""
+    return (
+        f"count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))) "
+        f"FROM unnest(${param}::text[]) WITH ORDINALITY AS k(key, position)"
+    )
 
-LOCK_ORDERING_KEYS_AND_NOTIFY = f"""
-SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))),
-       pg_notify('{OUTBOX_CHANNEL}', '')
-FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
-"""
 
-APPEND_OUTBOX = """
+NOTIFY_RELAYS = f"pg_notify('{OUTBOX_CHANNEL}', '')"
+"""The NOTIFY that wakes listening relays; delivered at commit, once however often it is sent."""
+
+LOCK_ORDERING_KEYS = f"SELECT {lock_keys(1)}"
+LOCK_ORDERING_KEYS_AND_NOTIFY = f"SELECT {NOTIFY_RELAYS}, {lock_keys(1)}"
+
+
+def insert_events(first: int, where: str = "TRUE") -> str:
+    """``INSERT INTO outbox`` of the events given as nine arrays, parameters ``$first`` to
+    ``$first+8`` (message ids, exchanges, routing keys, bodies, content types, headers as JSON
+    text, correlation ids, causation ids, ordering keys), in the arrays' order, ``where`` true."""
+    p = [f"${first + i}" for i in range(9)]
+    return f"""
 INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
                     correlation_id, causation_id, ordering_key)
 SELECT m.message_id, m.exchange, m.routing_key, m.body, m.content_type, m.headers::jsonb,
        m.correlation_id, m.causation_id, m.ordering_key
-FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::text[],
-            $7::text[], $8::text[], $9::text[])
+FROM unnest({p[0]}::uuid[], {p[1]}::text[], {p[2]}::text[], {p[3]}::bytea[], {p[4]}::text[],
+            {p[5]}::text[], {p[6]}::text[], {p[7]}::text[], {p[8]}::text[])
      WITH ORDINALITY AS m(message_id, exchange, routing_key, body, content_type, headers,
                           correlation_id, causation_id, ordering_key, position)
+WHERE {where}
 ORDER BY m.position
 """
+
+
+def event_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
+    """The nine arrays ``insert_events`` takes, one element per message."""
+    return [
+        [m.message_id for m in messages],
+        [m.exchange for m in messages],
+        [m.routing_key for m in messages],
+        [m.body for m in messages],
+        [m.content_type for m in messages],
+        [json.dumps(to_jsonable(m.headers)) for m in messages],
+        [m.correlation_id for m in messages],
+        [m.causation_id for m in messages],
+        [m.ordering_key for m in messages],
+    ]
+
+
+def ordering_keys_of(messages: Sequence[OutboxMessage]) -> list[str]:
+    """The distinct ordering keys of ``messages``, sorted: the order their locks are taken in, so
+    that two transactions cannot deadlock on them."""
+    return sorted({m.ordering_key for m in messages if m.ordering_key is not None})
+
+
+APPEND_OUTBOX = insert_events(1)
 
 
 async def lock_ordering_keys(
@@ -87,20 +122,8 @@ async def append_outbox(
     if not messages:
         return
     driver = await in_transaction(conn)
-    ordering_keys = {m.ordering_key for m in messages if m.ordering_key is not None}
-    await lock_ordering_keys(driver, ordering_keys, notify=notify)
-    await driver.execute(
-        APPEND_OUTBOX,
-        [m.message_id for m in messages],
-        [m.exchange for m in messages],
-        [m.routing_key for m in messages],
-        [m.body for m in messages],
-        [m.content_type for m in messages],
-        [json.dumps(to_jsonable(m.headers)) for m in messages],
-        [m.correlation_id for m in messages],
-        [m.causation_id for m in messages],
-        [m.ordering_key for m in messages],
-    )
+    await lock_ordering_keys(driver, ordering_keys_of(messages), notify=notify)
+    await driver.execute(APPEND_OUTBOX, *event_arrays(messages))
 
 
 @dataclass(frozen=True)
