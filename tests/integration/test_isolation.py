@@ -248,6 +248,7 @@ async def test_framework_statements_and_every_handler_connection_share_one_trans
 ) -> None:
     # Given a handler that reads, through each of its three connections, the transaction id and
     # its own key's inbox row: the claim, uncommitted, visible only inside the claiming transaction
+    # (written completed already: nobody outside sees it before the commit)
     router = Router()
     seen: list[Any] = []
 
@@ -265,12 +266,18 @@ async def test_framework_statements_and_every_handler_connection_share_one_trans
     await process_batch(engine, [envelope(router, "xid", 3, "k3")], UNIT)
 
     # Then each handler saw its claim in progress, and one transaction id per unit of work
-    assert [status for _, status in seen] == ["in_progress"] * 9
+    assert [status for _, status in seen] == ["completed"] * 9
     batch_xids = {xid for xid, _ in seen[:6]}
     alone_xids = {xid for xid, _ in seen[6:]}
     assert len(batch_xids) == len(alone_xids) == 1
     assert batch_xids != alone_xids
-    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'completed'") == 3
+    # and, the handler returning nothing, the claim was its key's only write (no second version)
+    versions = await rows(engine, "SELECT key, xmin::text, result FROM inbox ORDER BY key")
+    assert versions == [
+        ("k1", *batch_xids, None),
+        ("k2", *batch_xids, None),
+        ("k3", *alone_xids, None),
+    ]
     assert await scalar(engine, "SELECT count(*) FROM outbox") == 3
 
 

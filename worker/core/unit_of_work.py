@@ -1,10 +1,11 @@
 """The unit of work: a batch of messages (often of one), one PostgreSQL transaction; or, for a
 workflow, its run of transactions (``apply`` chooses by the handler's kind).
 
-In that transaction the batch's idempotency keys are claimed in one statement, the handlers'
-business writes run, their events are appended to the outbox in one statement and the keys are
-marked completed in one statement. Either all of it commits or none of it does; the caller acks
-the deliveries only after ``process_batch`` has returned, i.e. after the commit.
+In that transaction the batch's idempotency keys are claimed in one statement (written completed:
+nobody sees them before the commit), the handlers' business writes run, and one statement stores
+their results, releases the claims of messages taken out of the batch and appends their events to
+the outbox. Either all of it commits or none of it does; the caller acks the deliveries only after
+``process_batch`` has returned, i.e. after the commit.
 
 Keys are claimed in (handler, key) order, so two concurrent batches wait on each other's keys in
 the same order and cannot deadlock on them; a key delivered twice in one batch runs once.
@@ -89,7 +90,12 @@ async def process_batch(
             events = [m for ctx in done for m in ctx.outbox]
             await finish_batch(
                 driver,
-                [(*ctx.envelope.inbox_key, results[id(ctx)]) for ctx in done],
+                # the claims say completed already: only a result needs writing
+                [
+                    (*ctx.envelope.inbox_key, results[id(ctx)])
+                    for ctx in done
+                    if results[id(ctx)] is not None
+                ],
                 list(isolation.culprits),
                 events,
                 notify=config.notify,

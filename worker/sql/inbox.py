@@ -32,7 +32,8 @@ WITH claims AS (
 ), claimed AS (
     INSERT INTO inbox (handler, key, fingerprint, message_id, routing_key, status, owner,
                        lease_until)
-    SELECT c.handler, c.key, c.fingerprint, c.message_id, c.routing_key, 'in_progress', $6::text,
+    SELECT c.handler, c.key, c.fingerprint, c.message_id, c.routing_key,
+           CASE WHEN $6::text IS NULL THEN 'completed' ELSE 'in_progress' END, $6::text,
            now() + make_interval(secs => $7::float8)
     FROM claims AS c
     ORDER BY c.position
@@ -67,12 +68,12 @@ WHERE i.handler = d.handler AND i.key = d.key
 
 
 def delete_claims(first: int) -> str:
-    """``DELETE FROM inbox`` of this transaction's in-progress claims of keys given as two
-    arrays, parameters ``$first`` and ``$first+1`` (handlers, keys)."""
+    """``DELETE FROM inbox`` of claims this transaction made (and nobody else can see yet) of keys
+    given as two arrays, parameters ``$first`` and ``$first+1`` (handlers, keys)."""
     return f"""
 DELETE FROM inbox AS i
 USING unnest(${first}::text[], ${first + 1}::text[]) AS r(handler, key)
-WHERE i.handler = r.handler AND i.key = r.key AND i.status = 'in_progress'
+WHERE i.handler = r.handler AND i.key = r.key
 """
 
 
@@ -103,7 +104,12 @@ async def claim_keys(
     the committed row (not claimed) or, if the other rolled back, takes the key itself. A key
     committed by another transaction while this statement waited is neither claimed nor found
     (the statement's snapshot predates it), nor is one the janitor deleted meanwhile: claim such
-    keys again. A workflow's claim names its ``owner`` and holds the key for ``lease`` seconds.
+    keys again.
+
+    A unit of work's claim is written ``completed`` at once, with no result: nobody sees it
+    before the commit, when it is true, and a handler that returns nothing then needs no second
+    write of the row (``mark_completed`` stores a result). A workflow's claim is ``in_progress``,
+    visible between its steps: it names its ``owner`` and holds the key for ``lease`` seconds.
     """
     driver = await in_transaction(conn)
     rows = await driver.fetch(
