@@ -369,8 +369,8 @@ def handled(stats: Counter[str]) -> int:
 
 
 def ended(stats: Counter[str]) -> int:
-    """Deliveries that reached their end, dead letters included."""
-    return handled(stats) + stats["dead_lettered"]
+    """Deliveries that reached their end, dead letters (and repeats of them) included."""
+    return handled(stats) + stats["dead_lettered"] + stats["duplicate_of_failed"]
 
 
 def unusual(stats: Counter[str], expected: Iterable[str] = ()) -> dict[str, int]:
@@ -565,7 +565,7 @@ async def _worker_relay_off(
     bench.peak_rss_kib[f"after ({key})"] = peak_rss_kib()
     if early:
         bench.note(key, f"{early} messages were handled before the worker reported it started")
-    poisoned = ("dead_lettered", "isolated") if messages is not None else ()
+    poisoned = ("dead_lettered", "isolated", "duplicate_of_failed") if messages else ()
     if odd := unusual(stats, expected=poisoned):
         bench.note(key, f"{odd} (all stats: {dict(stats)})")
     await check_payments(bench, key)
