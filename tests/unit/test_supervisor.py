@@ -14,8 +14,9 @@ import pytest
 
 from tests.helpers import WORKER_SCRIPT, run, wait_until
 from worker.errors import ConfigurationError
-from worker.ops.cli import build_parser
+from worker.ops.cli import _load_settings, build_parser
 from worker.ops.supervisor import (
+    SUPERVISOR_FD_ENV,
     GiveUp,
     Restart,
     RestartPolicy,
@@ -24,6 +25,7 @@ from worker.ops.supervisor import (
     child_command,
     child_ports,
     describe_exit,
+    stop_when_orphaned,
 )
 from worker.settings import Settings
 
@@ -258,3 +260,45 @@ async def test_a_stop_before_any_child_started_starts_none(tmp_path: Path) -> No
 
     assert await asyncio.wait_for(supervisor.run(), STOP_TIMEOUT) == 0
     assert _pids(ready) == []
+
+
+def test_a_child_runs_one_process_when_the_environment_asks_for_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("WORKER_PROCESSES", "4")
+    args = build_parser().parse_args(child_command(["run"], 0)[3:])
+    assert _load_settings(args).processes == 1
+
+
+# A child's side: stopping once the supervisor is gone
+
+
+async def test_a_child_stops_when_the_supervisors_end_of_the_pipe_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    watched, held = os.pipe()
+    try:
+        monkeypatch.setenv(SUPERVISOR_FD_ENV, str(watched))
+        stop = asyncio.Event()
+        stop_when_orphaned(stop)
+        await asyncio.sleep(0)
+        assert not stop.is_set()
+
+        os.close(held)  # as the kernel does when the supervisor dies
+
+        await asyncio.wait_for(stop.wait(), 5)
+    finally:
+        os.close(watched)
+
+
+async def test_a_process_no_supervisor_started_watches_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stop = asyncio.Event()
+    monkeypatch.delenv(SUPERVISOR_FD_ENV, raising=False)
+    stop_when_orphaned(stop)
+    monkeypatch.setenv(SUPERVISOR_FD_ENV, "not a number")
+    stop_when_orphaned(stop)
+    await asyncio.sleep(0)
+    assert not stop.is_set()
+    assert "is not a pipe of a supervisor's" in caplog.text

@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import stat
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -342,7 +343,14 @@ def stop_when_orphaned(stop: asyncio.Event) -> None:
     raw = os.environ.get(SUPERVISOR_FD_ENV)
     if raw is None:
         return
-    watched = int(raw)
+    try:
+        watched = int(raw)
+        is_pipe = stat.S_ISFIFO(os.fstat(watched).st_mode)
+    except (ValueError, OSError):
+        is_pipe = False
+    if not is_pipe:
+        log.warning("%s=%r is not a pipe of a supervisor's: not watched", SUPERVISOR_FD_ENV, raw)
+        return
     loop = asyncio.get_running_loop()
 
     def orphaned() -> None:  # readable: end of file, since the supervisor never writes
