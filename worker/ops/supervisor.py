@@ -63,14 +63,18 @@ class RestartPolicy:
     healthy_after: float = 60.0
     quick_deaths: int = 5
 
+    def delay(self, quick_deaths: int) -> float:
+        """Seconds before the restart that follows the ``quick_deaths``-th quick death in a row."""
+        return min(self.first_delay * 2.0 ** (quick_deaths - 1), self.max_delay)
+
     def describe(self) -> str:
         """The policy in a sentence, for ``worker run --help``."""
+        delays = ", ".join(format_duration(self.delay(n)) for n in range(1, self.quick_deaths + 1))
         return (
-            f"restarts a worker process that dies after {format_duration(self.first_delay)}, "
-            f"doubling up to {format_duration(self.max_delay)}, and stops them all (exit 1) "
-            f"when one dies {self.quick_deaths + 1} times in a row, each within "
-            f"{format_duration(self.healthy_after)} of its start, or at once (exit 2) when one "
-            "exits 2, a configuration error"
+            f"restarts a worker process that dies, after {delays} for its quick deaths in a row "
+            f"(within {format_duration(self.healthy_after)} of its start), and stops them all "
+            f"(exit 1) at its quick death {self.quick_deaths + 1} in a row, or at once (exit 2) "
+            "when one exits 2, a configuration error"
         )
 
 
@@ -105,7 +109,7 @@ def after_death(
             f"it died {count} times in a row, each time within "
             f"{format_duration(policy.healthy_after)} of its start",
         )
-    return Restart(min(policy.first_delay * 2 ** (count - 1), policy.max_delay), count)
+    return Restart(policy.delay(count), count)
 
 
 def describe_exit(returncode: int) -> str:
