@@ -133,6 +133,7 @@ class Group(enum.Enum):
     LOGGING = "logging"
     CONSUMER = "how the consumer takes, batches and processes deliveries"
     COMPONENTS = "what runs inside `worker run` beside the consumer"
+    SUPERVISOR = "how many worker processes `worker run` starts"
     PROCESS = "how a long-running process shuts down, and its endpoint's capacity"
     ENDPOINT = "where /healthz and /metrics are served"
     RELAY = "the outbox relay"
@@ -283,6 +284,14 @@ class Settings:
         positive_int,
         Group.PROCESS,
         "connections the endpoint serves at once; more are closed as they arrive, unread",
+    )
+    processes: int = setting(
+        1,
+        positive_int,
+        Group.SUPERVISOR,
+        "worker processes sharing the queue and the outbox; above 1, `worker run` starts that "
+        "many and supervises them (see Processes); process i, from 0, serves `/healthz` and "
+        "`/metrics` on `http_port` + i",
     )
     relay: bool = setting(
         True,

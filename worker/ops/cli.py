@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 from worker import logs
 from worker.errors import ConfigurationError
+from worker.ops import supervisor
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import FIELDS, Field, Group, Settings, duration, format_duration, positive_int
 
@@ -40,6 +41,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
         *EVERY_COMMAND,
         Group.CONSUMER,
         Group.COMPONENTS,
+        Group.SUPERVISOR,
         Group.PROCESS,
         Group.ENDPOINT,
         Group.RELAY,
@@ -221,7 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
         _run,
         "consume the work queue with the given handler modules",
         "Declare the topology and consume until SIGTERM/SIGINT. Handler modules come from "
-        f"the handlers setting and the {ENTRY_POINT_GROUP!r} entry-point group.",
+        f"the handlers setting and the {ENTRY_POINT_GROUP!r} entry-point group. With the "
+        "processes setting above 1, this process supervises that many such worker processes: it "
+        "forwards SIGTERM/SIGINT to them (another signal while they stop kills them), and "
+        f"{supervisor.RestartPolicy().describe()}.",
     )
     command(
         commands,
@@ -461,6 +466,8 @@ def _load_settings(args: argparse.Namespace) -> Settings:
 def _run(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import runner
 
+    if settings.processes > 1:
+        return supervisor.run_processes(settings, args.argv)
     router = load_routers(settings.handlers)
     if not router.handlers():
         raise ConfigurationError(
@@ -468,7 +475,11 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
             f"or install a package with a {ENTRY_POINT_GROUP!r} entry point"
         )
 
-    asyncio.run(_until_signalled(lambda stop: runner.run(settings, router, stop)))
+    async def serve(stop: asyncio.Event) -> None:
+        supervisor.stop_when_orphaned(stop)
+        await runner.run(settings, router, stop)
+
+    asyncio.run(_until_signalled(serve))
     return 0
 
 
@@ -814,7 +825,9 @@ def _show(line: str, file: TextIO | None = None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # (``worker run --processes N`` gives its children the same arguments)
     try:
         settings = _load_settings(args)
         logs.configure(settings)
