@@ -245,6 +245,24 @@ def classify(exc: BaseException) -> Fault:
     return Fault.PERMANENT
 
 
+_CONTENTION_SQLSTATES = frozenset({"40P01", "40001"})  # deadlock_detected, serialization_failure
+
+
+def is_contention(exc: BaseException) -> bool:
+    """True when ``exc`` (or what it wraps) is PostgreSQL giving up on concurrent transactions
+    that wait on each other (a deadlock, a serialization failure): transient, and a sign that
+    they touch the same rows in different orders."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
+        if sqlstate in _CONTENTION_SQLSTATES:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def is_transient(exc: BaseException) -> bool:
     """True when ``exc`` (or what it wraps) is a failure that a later attempt may not meet."""
     return classify(exc) is Fault.TRANSIENT

@@ -21,6 +21,7 @@ from tests.integration.support import wait_for_consumer, worker_process
 from tests.integration.test_batching import publish_all
 from worker import Batch, Context, Retryable, Router
 from worker.core.config import UnitOfWorkConfig
+from worker.core.contention import Contention
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import MAX_SAVEPOINTS, Isolated, process_batch
 from worker.errors import HandlerFailed, MessageFailed
@@ -326,3 +327,59 @@ async def test_a_crash_mid_isolation_acks_nothing_and_the_restart_applies_each_o
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'failed'") == 1
     assert await broker_depth(settings.queue) == 0
     assert await broker_depth(settings.dead_letter_queue) == 1
+
+
+class CountingContention(Contention):
+    """A process's contention registry that counts the deadlocks it was told of."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.deadlocks = 0
+
+    def deadlocked(self, handler: str) -> None:
+        self.deadlocks += 1
+        super().deadlocked(handler)
+
+
+async def test_batches_that_deadlock_on_shared_rows_take_turns_after_the_first_deadlock(
+    engine: AsyncEngine,
+) -> None:
+    # Given a plain handler that adds 1 to an account's balance, and two batches that touch
+    # accounts x and y in opposite orders (the first time, each batch's first message waits
+    # until both have written, so that they are sure to deadlock)
+    router = Router()
+    meeting: asyncio.Barrier | None = asyncio.Barrier(2)
+
+    @router.handler("touch")
+    async def touch(account: str, ctx: Context) -> None:
+        nonlocal meeting
+        await ctx.asyncpg.execute(
+            "UPDATE accounts SET balance_cents = balance_cents + 1 WHERE account = $1", account
+        )
+        if meeting is not None and ctx.key.endswith("0"):
+            await asyncio.wait_for(meeting.wait(), 10)
+            meeting = None
+
+    async with engine.begin() as conn:
+        await conn.execute(text("INSERT INTO accounts VALUES ('x', 0), ('y', 0)"))
+    contention = CountingContention()
+    unit = UnitOfWorkConfig(exchange="events", contention=contention)
+
+    async def both(round_: int) -> list[Any]:
+        first = [envelope(router, "touch", a, f"r{round_}-a{i}") for i, a in enumerate("xy")]
+        second = [envelope(router, "touch", a, f"r{round_}-b{i}") for i, a in enumerate("yx")]
+        ends = await asyncio.gather(
+            process_batch(engine, first, unit), process_batch(engine, second, unit)
+        )
+        return [end for batch_ends in ends for end in batch_ends]
+
+    # When they run at once: they deadlock, and the loser runs its group again in turn
+    assert await both(1) == [Outcome.PROCESSED] * 4
+    assert contention.deadlocks == 1
+    assert contention.contended("touch")
+
+    # Then the next two such batches take turns and do not deadlock; nothing was lost or doubled
+    assert await both(2) == [Outcome.PROCESSED] * 4
+    assert contention.deadlocks == 1
+    balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
+    assert balances == {"x": 4, "y": 4}

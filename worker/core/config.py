@@ -5,7 +5,9 @@ this, never the worker's settings, so it runs the same under the consumer and th
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from worker.core.contention import Contention
 
 
 @dataclass(frozen=True)
@@ -15,13 +17,15 @@ class UnitOfWorkConfig:
     ``exchange`` is where ``ctx.publish`` sends an event that names none; with ``notify``, a
     transaction that appends outbox rows sends one NOTIFY to listening relays at its commit, and
     ``on_events`` (a relay's wake-up, in the same process) is called after that commit;
-    ``workflow_lease`` is how long, in seconds, a workflow's owner holds it between steps.
+    ``workflow_lease`` is how long, in seconds, a workflow's owner holds it between steps;
+    ``contention`` which handlers' batches take turns (share one between a process's consumers).
     """
 
     exchange: str
     notify: bool = False
     on_events: Callable[[], None] | None = None
     workflow_lease: float = 30.0
+    contention: Contention = field(default_factory=Contention, compare=False)
 
     def committed_events(self) -> None:
         """Tell the in-process relay that a commit added outbox rows."""

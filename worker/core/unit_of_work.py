@@ -23,11 +23,12 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from worker.core import workflows
 from worker.core.claims import Settled, claim_all, settled_against
 from worker.core.config import UnitOfWorkConfig
+from worker.core.contention import TAKE_TURNS, Contention
 from worker.core.context import Batch, Context
 from worker.core.envelope import Envelope
 from worker.core.handler import Handler, HandlerKind
 from worker.core.outcomes import Outcome
-from worker.errors import HandlerFailed, KeyReused, MessageFailed, is_transient
+from worker.errors import HandlerFailed, KeyReused, MessageFailed, is_contention, is_transient
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, UNIT_OF_WORK_ISOLATING, crash_point
 from worker.sql.batch import finish_batch
 from worker.sql.driver import in_transaction
@@ -84,7 +85,7 @@ async def process_batch(
         runnable = [e for e in firsts if claims[e.inbox_key] is None]
         contexts = [Context(conn, e, config.exchange, asyncpg=driver) for e in runnable]
         try:
-            isolation = _Isolation(conn, driver, enabled=len(contexts) > 1)
+            isolation = _Isolation(conn, driver, config.contention, enabled=len(contexts) > 1)
             results = await isolation.run(contexts)
             done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
             events = [m for ctx in done for m in ctx.outbox]
@@ -138,9 +139,12 @@ class _Isolation:
     """Runs a transaction's handler groups, each from a savepoint, taking out the messages whose
     handler fails (when ``enabled``: the transaction holds several runnable messages)."""
 
-    def __init__(self, conn: AsyncConnection, driver: Any, *, enabled: bool) -> None:
+    def __init__(
+        self, conn: AsyncConnection, driver: Any, contention: Contention, *, enabled: bool
+    ) -> None:
         self.conn = conn
         self.driver = driver
+        self.contention = contention
         self.enabled = enabled
         self.culprits: dict[InboxKey, Exception] = {}
         self._savepoints = 0
@@ -155,15 +159,21 @@ class _Isolation:
 
     async def _run_group(self, handler: Handler, members: list[Context]) -> dict[int, Any]:
         while members:
+            if self.contention.contended(handler.name):
+                await self.driver.execute(TAKE_TURNS, handler.name)
             if self.enabled:
                 await self._savepoint()
             outcome = await _call(self.conn, self.driver, handler, members)
             if not isinstance(outcome, _Failed):
                 return outcome  # (its savepoint is released at commit: no round trip for it)
+            if is_contention(outcome.error):
+                self.contention.deadlocked(handler.name)
             if not self.enabled:
                 raise outcome.error
             await self._roll_back(members)
             crash_point(UNIT_OF_WORK_ISOLATING)
+            if is_contention(outcome.error):  # no message's fault: run them all again, in turn
+                continue
             if not outcome.indices and len(members) > 1:  # a batch handler's, unnamed
                 half = len(members) // 2
                 results = await self._run_group(handler, members[:half])
