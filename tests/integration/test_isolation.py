@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
 from tests.helpers import broker_depth, envelope, payment, rows, scalar, wait_until
-from tests.integration.support import wait_for_consumer, worker_process
+from tests.integration.support import running_worker, wait_for_consumer, worker_process
 from tests.integration.test_batching import publish_all
 from worker import Batch, Context, Retryable, Router
 from worker.core.config import UnitOfWorkConfig
@@ -383,3 +383,32 @@ async def test_batches_that_deadlock_on_shared_rows_take_turns_after_the_first_d
     assert contention.deadlocks == 1
     balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
     assert balances == {"x": 4, "y": 4}
+
+
+async def test_culprits_parked_beside_their_batchs_successes_do_not_slow_the_worker_down(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given 60 payments queued, every fourth of them a payment settled before under another key
+    # (15 culprits), and a worker that slows down after 5 dead letters in a row
+    sends = []
+    for i in range(45):
+        sends.append((f"k{i}", payment(f"p{i}", f"acct-{i % 3}", 10)))
+        if i % 3 == 2:
+            sends.append((f"k{i}-again", payment(f"p{i}", f"acct-{i % 3}", 10)))
+    await publish_all(amqp, settings, sends)
+    fast = settings.replace(batch_size=60, failure_throttle_after=5, relay=False)
+
+    # When it drains them
+    async with running_worker(fast, payments) as worker:
+
+        async def drained() -> bool:
+            return worker.stats["processed"] + worker.stats["dead_lettered"] >= 60
+
+        await wait_until(drained)
+
+    # Then each culprit was parked once, and being taken out of batches whose others committed,
+    # the culprits never counted as dead letters in a row
+    assert worker.stats["processed"] == 45
+    assert worker.stats["dead_lettered:handler-error"] == 15
+    assert worker.stats["throttled"] == 0
+    assert await broker_depth(settings.dead_letter_queue) == 15

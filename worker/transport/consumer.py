@@ -414,8 +414,11 @@ class Consumer:
                 len(together),
             )
             self.stats["isolated"] += len(isolated)
-        for message, envelope in isolated:  # each takes its own failure path, or succeeds alone
-            await self._process_alone(message, envelope)
+        # each takes its own failure path, or succeeds alone; beside the batch's successes, a
+        # culprit parked is no sign of a broken handler (no slowing down for dead letters in a row)
+        with self.failures.beside_successes() if committed else contextlib.nullcontext():
+            for message, envelope in isolated:
+                await self._process_alone(message, envelope)
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()

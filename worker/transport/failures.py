@@ -17,9 +17,10 @@ at a time until one succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import replace
 
 import aiormq.exceptions
@@ -100,6 +101,7 @@ class Failures:
         self._topology = topology
         self._pause = pause
         self._dead_letters_in_a_row = 0
+        self._beside_successes = 0
         self._copies_lost: OrderedDict[tuple[object, ...], None] = OrderedDict()
 
     @property
@@ -114,6 +116,16 @@ class Failures:
             self.metrics.throttled(False)
             log.warning("a message succeeded: back to full speed")
         self._dead_letters_in_a_row = 0
+
+    @contextlib.contextmanager
+    def beside_successes(self) -> Iterator[None]:
+        """Dead letters inside are not in a row: they were taken out of a batch whose other
+        messages just committed, so the handler works and this is no reason to slow down."""
+        self._beside_successes += 1
+        try:
+            yield
+        finally:
+            self._beside_successes -= 1
 
     async def failed(
         self,
@@ -301,6 +313,8 @@ class Failures:
 
     def _dead_lettered(self) -> None:
         """Count one more dead letter in a row; slow down when there are too many."""
+        if self._beside_successes:
+            return
         self._dead_letters_in_a_row += 1
         if self._dead_letters_in_a_row == self.settings.failure_throttle_after:
             self.tally.stats["throttled"] += 1
