@@ -130,7 +130,19 @@ POLL_INTERVAL = 0.01
 """Seconds between checks of whether a timed scenario has finished."""
 LATENCY_WARM_UP = 0.5
 """Seconds of offered load before the latency measurement: pool connections, caches."""
-SCENARIOS = ("a", "b", "c", "c-sa", "poison", "plain", "d", "e", "uvloop", "latency")
+SCENARIOS = (
+    "a",
+    "b",
+    "c",
+    "c-sa",
+    "poison",
+    "plain",
+    "processes",
+    "d",
+    "e",
+    "uvloop",
+    "latency",
+)
 GROUPS = {
     "bare": "e",
     "c+": "c",
@@ -138,6 +150,8 @@ GROUPS = {
     "p10": "poison",
     "a-uv": "uvloop",
     "c-uv": "uvloop",
+    "n1": "processes",
+    "n2": "processes",
 }
 """The ``--only`` name of the scenarios that do not go by their own."""
 AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
@@ -212,6 +226,7 @@ TARGETS = (
     Target("e", "bare", 1.0),
     Target("c+", "c", 0.9),
     Target("c", "c-sa", 0.0),
+    Target("n2", "n1", 0.0),
     Target("a-uv", "a", 0.0),
     Target("c-uv", "c", 0.0),
 )
@@ -931,6 +946,26 @@ def peak_rss_kib() -> int:
 Scenario = Callable[[Bench], Awaitable[Timing]]
 """A timed scenario: returns the timing of its drain, notes what it found wrong."""
 
+
+def worker_processes(count: int) -> Scenario:
+    """(n1, n2) ``worker run --processes N`` as a subprocess, distinct payments, relay off
+    (``benchmarks.processes.drain_with_processes``); its own timing, as ``Timing``."""
+
+    async def scenario(bench: Bench) -> Timing:
+        from benchmarks.processes import drain_with_processes  # it imports this module
+
+        distinct = plan_payments(len(bench.plan.sends), 0.0, bench.options.accounts, SEED)
+        settings = bench.names(f"n{count}")
+        try:
+            drain = await drain_with_processes(settings, count, distinct)
+        finally:
+            await delete_broker_objects(settings)
+        seconds = len(bench.plan.sends) / drain.rate
+        return Timing(seconds, (drain.busy or 0.0) * seconds)  # cpu %: the machine's busy
+
+    return scenario
+
+
 TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("a", "aio-pika consume+ack, no database", bare_consume),
     ("b", "naive asyncpg, 1 tx per message", naive_consume),
@@ -939,6 +974,8 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("p1", "worker, 1 % poison", worker_poisoned(0.01)),
     ("p10", "worker, 10 % poison", worker_poisoned(0.10)),
     ("plain", "worker, plain handler (2 stmts/msg)", worker_plain_handler),
+    ("n1", "worker run --processes 1 (subprocess)", worker_processes(1)),
+    ("n2", "worker run --processes 2 (subprocess)", worker_processes(2)),
     ("c+", "worker, relay off, full inbox", worker_relay_off_full_inbox),
     ("d", "worker + relay, events downstream", worker_with_relay),
     ("e", "relay draining the outbox", relay_alone),

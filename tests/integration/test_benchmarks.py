@@ -10,7 +10,7 @@ from pathlib import Path
 from worker.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
-RATIOS = ("c/a", "c/b", "d/a", "e/bare", "c+/c")
+RATIOS = ("c/a", "c/b", "p1/c", "p10/c", "plain/b", "d/a", "e/bare", "c+/c", "c/c-sa", "n2/n1")
 
 
 def test_throughput_quick_run_prints_every_ratio() -> None:
