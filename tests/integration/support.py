@@ -409,3 +409,20 @@ async def _running(
     finally:
         if not task.done():
             await worker.shutdown()
+
+
+def run_benchmark(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.<module> args`` from the repository root, against the services the
+    tests use (``WORKER_DATABASE_URL`` and ``WORKER_AMQP_URL`` only: no other worker setting)."""
+    base = Settings.load()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(WORKER_DATABASE_URL=base.database_url, WORKER_AMQP_URL=base.amqp_url)
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=170,
+        check=False,
+    )
