@@ -296,6 +296,27 @@ async def test_a_later_row_of_a_key_waits_behind_an_older_one(
     assert [r.message_id for r in claimed] == [rows_[4].message_id]
 
 
+async def test_a_busy_key_is_neither_claimed_nor_locked(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given three rows of key "a", two of "b" and one without a key
+    rows_ = [event(settings, n, ordering_key=k) for n, k in enumerate(["a", "b", "a", "b", "a"])]
+    rows_.append(event(settings, 5))
+    await commit(engine, rows_, each=True)
+
+    # When a relay claims with "a" in flight (an earlier batch of its own still publishing it)
+    async with engine.connect() as conn, conn.begin():
+        claimed = await outbox.claim_outbox(conn, 3, busy=["a"])
+
+        # Then it gets "b"'s run and the unordered row, within its limit, and leaves "a" unlocked
+        assert [r.message_id for r in claimed] == [rows_[i].message_id for i in (1, 3, 5)]
+        async with engine.connect() as other, other.begin():
+            free = await other.execute(
+                text("SELECT message_id FROM outbox ORDER BY id FOR UPDATE SKIP LOCKED")
+            )
+            assert [m for (m,) in free] == [rows_[i].message_id for i in (0, 2, 4)]
+
+
 async def test_an_ordering_key_gives_ids_in_commit_order(
     settings: Settings, engine: AsyncEngine
 ) -> None:
