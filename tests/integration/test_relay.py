@@ -5,6 +5,7 @@ with their row; an ordering key's events arrive in commit order even with two re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -20,7 +21,12 @@ import aio_pika
 import asyncpg
 import pytest
 from aio_pika import ExchangeType, Message
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
+from aio_pika.abc import (
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -31,6 +37,7 @@ from worker.faults import RELAY_AFTER_PUBLISH
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.rows import OutboxMessage
+from worker.transport.relay import Relay
 
 
 @dataclass
@@ -428,6 +435,51 @@ async def test_a_relay_killed_after_publishing_publishes_again_with_the_same_ids
         await capture.wait_for(2 * len(sent))
         await wait_until(lambda: _is(outbox_count(engine), 0))
     assert capture.ids() == Counter({str(m.message_id): 2 for m in sent})
+
+
+async def test_a_new_exchange_is_probed_once_not_once_per_row(
+    settings: Settings,
+    engine: AsyncEngine,
+    capture: Capture,
+    amqp: AbstractRobustConnection,
+) -> None:
+    # Given 300 events without an ordering key (a batch publishes them all at once)
+    sent = [event(settings, n) for n in range(300)]
+    await commit(engine, sent, each=False)
+    opened = Counter[str]()
+
+    class Counting(Relay):
+        async def _exchange(self, name: str) -> AbstractExchange | None:
+            opened["asked"] += 1
+            return await super()._exchange(name)
+
+    class CountingConnection:
+        def channel(self, **kwargs: Any) -> Any:
+            opened["channels"] += 1
+            return amqp.channel(**kwargs)
+
+    relay = Counting(settings, engine, CountingConnection())  # type: ignore[arg-type]
+
+    # When a relay publishes them
+    async with running(relay):
+        await capture.wait_for(len(sent))
+
+    # Then it asked for the exchange once per batch, and opened one probe channel (and its
+    # publishing channel), not one per row
+    assert opened["channels"] == 2
+    assert opened["asked"] <= len(sent) // settings.relay_batch_size + 1
+
+
+@contextlib.asynccontextmanager
+async def running(relay: Relay) -> AsyncIterator[asyncio.Task[None]]:
+    """``relay.run`` in a task; on exit, stop it and wait for it (its error is raised)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
 
 
 def _rabbitmqctl(*args: str) -> None:

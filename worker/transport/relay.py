@@ -96,6 +96,7 @@ class Relay:
         self._wake = asyncio.Event()
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
+        self._probing = asyncio.Lock()
 
     def wake(self) -> None:
         """Ask for a batch now: new rows were committed."""
@@ -183,12 +184,13 @@ class Relay:
         Returns the confirmed ids and the failed ones with their errors. A key's rows after a
         failed one are neither: they stay for a later batch, behind the failed row.
         """
+        exchanges = {name: await self._exchange(name) for name in {row.exchange for row in rows}}
         published: list[int] = []
         failed: dict[int, str] = {}
 
         async def publish_in_turn(chain: Iterable[OutboxRow]) -> None:
             for row in chain:
-                error = await self._publish_one(row)
+                error = await self._publish_one(row, exchanges[row.exchange])
                 if error is not None:
                     failed[row.id] = error
                     return
@@ -208,13 +210,13 @@ class Relay:
         )
         return published, failed
 
-    async def _publish_one(self, row: OutboxRow) -> str | None:
-        """Publish one row; the reason it failed, or None once the broker confirmed it."""
+    async def _publish_one(self, row: OutboxRow, exchange: AbstractExchange | None) -> str | None:
+        """Publish one row to ``exchange`` (None: the broker has no exchange of the row's name);
+        the reason it failed, or None once the broker confirmed it."""
         try:
             message = message_of(row)
         except (TypeError, ValueError) as exc:
             return f"unpublishable: {exc}"
-        exchange = await self._exchange(row.exchange)
         if exchange is None:
             return f"exchange {row.exchange!r} does not exist"
         try:
@@ -239,22 +241,25 @@ class Relay:
         """The exchange ``name``, or None if the broker does not have it.
 
         Publishing to a missing exchange would close the publishing channel and fail the whole
-        batch, so existence is checked once per name on a throwaway channel.
+        batch, so existence is checked on a throwaway channel: once per name while it exists,
+        once per batch while it does not, and one name at a time (one probe channel at a time,
+        however many batches and rows ask).
         """
         assert self._channel is not None
         if name == "":
             return self._channel.default_exchange
-        if name not in self._exchanges:
-            probe = await self.connection.channel(publisher_confirms=False)
-            try:
-                await probe.get_exchange(name, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                return None
-            finally:
-                if not probe.is_closed:
-                    await probe.close()
-            self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
-        return self._exchanges[name]
+        async with self._probing:
+            if name not in self._exchanges:
+                probe = await self.connection.channel(publisher_confirms=False)
+                try:
+                    await probe.get_exchange(name, ensure=True)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    return None
+                finally:
+                    if not probe.is_closed:
+                        await probe.close()
+                self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
+            return self._exchanges[name]
 
     async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
         """Wait until woken, stopped, or ``seconds`` passed."""
