@@ -6,13 +6,12 @@ and a batch that fails mid-pipeline loses nothing and deletes nothing twice."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import json
 import random
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -22,12 +21,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
 from tests.integration import test_relay
-from tests.integration.test_relay import Capture, commit, outbox_count
+from tests.integration.test_relay import Capture, commit, outbox_count, running
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import OutboxMessage
-from worker.transport import relay as relay_module
 from worker.transport.relay import Relay
 
 KEYS = ("k0", "k1", "k2", "k3")
@@ -68,18 +66,6 @@ class SlowRelay(Relay):
         if self.fail is not None and (error := self.fail(row)) is not None:
             raise error
         return await super()._publish_one(row, exchange)
-
-
-@contextlib.asynccontextmanager
-async def relaying(relay: Relay) -> AsyncIterator[asyncio.Task[None]]:
-    """``relay.run`` in a task; on exit, stop it and wait for it (its error is raised)."""
-    stop = asyncio.Event()
-    task = asyncio.create_task(relay.run(stop))
-    try:
-        yield task
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 60)
 
 
 def sequenced(settings: Settings, per_key: int, seed: int) -> list[OutboxMessage]:
@@ -141,7 +127,7 @@ async def test_pipelined_batches_keep_each_keys_order_and_hold_it_behind_a_faile
     relay = SlowRelay(fast, engine, amqp, delay=0.02)
 
     # When a relay with slowed confirms (so that its batches overlap) runs
-    async with relaying(relay):
+    async with running(relay):
 
         async def failed_twice() -> bool:
             sql = "SELECT attempts FROM outbox WHERE message_id = :m"
@@ -260,7 +246,7 @@ async def test_an_outage_in_one_batch_loses_nothing_and_deletes_each_row_once(
     )
 
     # When the relay drains them
-    async with relaying(relay):
+    async with running(relay):
         await wait_until(lambda: _is(outbox_count(engine), 0), timeout=60)
         await capture.wait_for(len(sent))
         await asyncio.sleep(0.2)
@@ -275,39 +261,6 @@ async def test_an_outage_in_one_batch_loses_nothing_and_deletes_each_row_once(
     assert first_arrivals(capture) == {k: list(range(40)) for k in KEYS}
     if where == "delete":
         assert sum(capture.ids().values()) > len(sent)
-
-
-async def test_concurrent_batches_probe_a_new_exchange_once(
-    settings: Settings,
-    engine: AsyncEngine,
-    capture: Capture,
-    amqp: AbstractRobustConnection,
-) -> None:
-    # Given 300 events without an ordering key (published all at once within a batch)
-    sent = [dataclasses.replace(m, ordering_key=None) for m in sequenced(settings, 75, 4)]
-    await commit(engine, sent, each=False)
-    opened = Counter[str]()
-
-    class Counting(Relay):
-        async def _exchange(self, name: str) -> AbstractExchange | None:
-            opened["asked"] += 1
-            return await super()._exchange(name)
-
-    class CountingConnection:
-        def channel(self, **kwargs: Any) -> Any:
-            opened["channels"] += 1
-            return amqp.channel(**kwargs)
-
-    relay = Counting(settings, engine, CountingConnection())  # type: ignore[arg-type]
-
-    # When a relay publishes them, several batches at once
-    async with relaying(relay):
-        await capture.wait_for(len(sent))
-
-    # Then it asked for the exchange once per batch, and opened one probe channel (and its
-    # publishing channel), not one per row
-    assert opened["channels"] == 2
-    assert opened["asked"] <= len(sent) // settings.relay_batch_size + relay_module.PIPELINE_DEPTH
 
 
 async def _is(value: Any, expected: Any) -> bool:

@@ -1,15 +1,34 @@
 """The outbox relay: committed events out to RabbitMQ, at least once, in order per ordering key.
 
-One batch is one transaction: claim due rows (``FOR UPDATE SKIP LOCKED``, oldest first), publish
-them persistent and ``mandatory`` with publisher confirms, delete the confirmed ones, count a
-failure on the returned or nacked ones, commit. A row is deleted only in the transaction that
-claimed it and only after its confirm, so a crash anywhere publishes it again (same message id)
-rather than losing it. Rows of one ordering key go one at a time, in id order, which is their
-commit order; other rows are published concurrently, their confirms pipelined.
+A row is deleted only after the broker confirmed it, and only in the transaction that claimed it,
+so a crash anywhere publishes it again (same message id) rather than losing it. An ordering key's
+rows go out one at a time, in id order, which is their commit order, and never past a failed one.
 
-A broker or database outage fails the whole batch: it rolls back and is retried with backoff.
-A row the broker returns or nacks fails alone: its next try moves out exponentially, and after
-``relay_max_attempts`` it is moved to ``outbox_parked``.
+One batch is one transaction on a connection of its own: claim due rows (``FOR UPDATE SKIP
+LOCKED``, oldest first), publish them persistent and ``mandatory`` with publisher confirms, delete
+the confirmed ones in one statement, count a failure on the returned or nacked ones, commit.
+Batches are pipelined: up to ``PIPELINE_DEPTH`` are in flight, and the next one is claimed as soon
+as the previous one's claim returned, so one batch's confirms, delete and commit overlap the next
+one's claim and publishes. Claims stay one at a time, each taking the oldest rows left.
+
+Order under the pipeline. A batch's ordering keys are *busy* from its claim until its transaction
+has ended (committed or rolled back), and each claim skips the rows of busy keys
+(``claim_outbox(busy=...)``): no batch publishes a row of a key whose older row is in flight in
+another batch, or has failed there and is not yet committed as failed. Once that batch has ended,
+the claim's unbroken-run check (the one that keeps several relays in order) finds the older row
+either deleted (confirmed) or still there, waiting for its retry, and then holds the key's later
+rows back behind it. Within a batch a key's rows go one at a time, each confirm awaited before
+the next; rows of other keys, or of none, go concurrently. This was chosen over pinning each key
+to one of N lanes: lanes would split the outbox by a hash of the key, leave lanes idle whenever
+keys are skewed (a hot key goes at one lane's pace while the others poll an empty share), and
+still need the unbroken-run check against other relay processes; skipping busy keys keeps one
+claim over the whole outbox, in id order, for the price of one array parameter.
+
+A broker or database outage fails the batch it hits: it rolls back. The relay then claims nothing
+more, lets the other batches in flight end on their own (commit or roll back, never cancelled),
+and retries with backoff. A row the broker returns or nacks fails alone: its next try moves out
+exponentially, and after ``relay_max_attempts`` it is moved to ``outbox_parked``. Once ``stop`` is
+set the relay claims nothing more and waits for its batches in flight to commit.
 """
 
 from __future__ import annotations
@@ -23,7 +42,7 @@ from typing import Any
 import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import tracing
 from worker.backoff import first, until_stopped
@@ -42,6 +61,12 @@ PUBLISH_TIMEOUT = 30.0
 
 MIN_IDLE = 0.05
 """First wait of a relay that found less than a full batch; it doubles up to the poll interval."""
+
+PIPELINE_DEPTH = 3
+"""Batches a relay has in flight at once, each in a transaction on a connection of its own.
+
+The relay's pool must hold this many connections plus one for LISTEN: ``runner`` gives it two
+and two more on overflow, hence 3. (Deeper pipelines need a larger pool.)"""
 
 CAUSATION_HEADER = "causation-id"
 
@@ -73,11 +98,17 @@ def message_of(row: OutboxRow) -> aio_pika.Message:
     )
 
 
+def _log_rolled_back(error: BaseException) -> None:
+    """Log a batch that failed beside the one whose error the relay retries (an outage fails
+    every batch in flight alike)."""
+    log.info("another outbox batch in flight failed too and was rolled back: %r", error)
+
+
 class Relay:
     """Publishes the outbox until stopped; ``wake()`` makes it look at once.
 
     ``stats`` counts ``relay_published``, ``relay_failed`` (returned, nacked or unpublishable,
-    to be retried) and ``relay_parked``.
+    to be retried) and ``relay_parked``, each once its batch has committed.
     """
 
     def __init__(
@@ -97,6 +128,9 @@ class Relay:
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
         self._probing = asyncio.Lock()
+        self._batches: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()
+        """Ordering keys of the batches in flight, until their transactions have ended."""
 
     def wake(self) -> None:
         """Ask for a batch now: new rows were committed."""
@@ -110,7 +144,7 @@ class Relay:
             )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Relay batches until ``stop`` is set; the batch under way when it is set completes."""
+        """Relay batches until ``stop`` is set; the batches in flight when it is set complete."""
         await self.start()
         assert self._channel is not None
         listener = (
@@ -119,8 +153,9 @@ class Relay:
             else None
         )
         log.info(
-            "relaying the outbox (batch %d, %d attempts before parking)",
+            "relaying the outbox (batch %d, %d in flight, %d attempts before parking)",
             self.settings.relay_batch_size,
+            PIPELINE_DEPTH,
             self.settings.relay_max_attempts,
         )
         retrying = until_stopped(stop, logger=log)
@@ -128,7 +163,7 @@ class Relay:
         try:
             while not stop.is_set():
                 try:
-                    claimed: int = await retrying(self.relay_batch)
+                    claimed: int = await retrying(self._relay_next, stop)
                 except Exception:
                     if stop.is_set():
                         break  # an outage during shutdown: the rows stay for the next start
@@ -138,32 +173,114 @@ class Relay:
                 idle = MIN_IDLE if claimed else min(idle * 2, self.settings.relay_poll_interval)
                 await self._idle(stop, idle)
         finally:
+            await self._batches_ended()
             if listener is not None:
                 listener.cancel()
                 await asyncio.gather(listener, return_exceptions=True)
             if not self._channel.is_closed:
                 await self._channel.close()
 
-    async def relay_batch(self) -> int:
-        """Relay one batch in one transaction; returns how many rows it claimed."""
+    async def _relay_next(self, stop: asyncio.Event) -> int:
+        """Start the next batch once the pipeline has room; returns how many rows it claimed.
+
+        If a batch failed, every other batch in flight is let end first, then its error is
+        raised (for ``run`` to retry with backoff, nothing in flight).
+        """
+        await self._reap()
+        while len(self._batches) >= PIPELINE_DEPTH:
+            await asyncio.wait(self._batches, return_when=asyncio.FIRST_COMPLETED)
+            await self._reap()
+        if stop.is_set():
+            return 0
         self._wake.clear()
-        async with self.engine.connect() as conn, conn.begin():
-            rows = await outbox.claim_outbox(conn, self.settings.relay_batch_size)
-            if not rows:
-                return 0
-            with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
-                published, failed = await self._publish(rows)
-                tracing.set_attribute(span, "worker.failed", len(failed))
-            crash_point(RELAY_AFTER_PUBLISH)
-            await outbox.delete_outbox(conn, published)
-            parked = await outbox.fail_outbox(
-                conn,
-                failed,
-                max_attempts=self.settings.relay_max_attempts,
-                retry_delay=self.settings.relay_retry_delay,
-            )
+        claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        batch = asyncio.create_task(self._relay_batch(claimed), name="outbox-batch")
+        self._batches.add(batch)
+        try:
+            return await claimed
+        except Exception:
+            await asyncio.wait([batch])  # it ends with the same error, once rolled back
+            await self._reap()
+            raise
+
+    async def _reap(self) -> None:
+        """Forget the batches that ended; if one failed, wait for the rest, then raise its error."""
+        ended = {batch for batch in self._batches if batch.done()}
+        self._batches -= ended
+        errors: list[BaseException] = []
+        for batch in ended:
+            if not batch.cancelled() and (error := batch.exception()) is not None:
+                errors.append(error)
+        if errors:
+            for error in errors[1:]:
+                _log_rolled_back(error)
+            await self._batches_ended()
+            raise errors[0]
+
+    async def _batches_ended(self) -> None:
+        """Wait until every batch in flight has committed or rolled back (cancelled only if this
+        wait itself is: the grace period of a shutdown ran out)."""
+        batches, self._batches = self._batches, set()
+        for outcome in await asyncio.gather(*batches, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                _log_rolled_back(outcome)
+
+    async def _relay_batch(self, claimed: asyncio.Future[int]) -> None:
+        """Relay one batch in one transaction: claim, publish, delete and fail rows, commit.
+
+        ``claimed`` gets the number of rows claimed (or the claim's error) as soon as the claim
+        returns, so that the next batch can be claimed while this one's confirms are in flight.
+        The batch's ordering keys stay busy until its transaction has ended.
+        """
+        keys: set[str] = set()
+        outcome: tuple[list[int], dict[int, str], list[int]] | None = None
+        try:
+            async with self.engine.connect() as conn, conn.begin():
+                rows = await outbox.claim_outbox(
+                    conn, self.settings.relay_batch_size, busy=self._busy
+                )
+                keys = {row.ordering_key for row in rows if row.ordering_key is not None}
+                self._busy |= keys
+                if not claimed.done():
+                    claimed.set_result(len(rows))
+                if rows:
+                    outcome = await self._settle(conn, rows)
+        except BaseException as exc:
+            if not claimed.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    claimed.cancel()
+                else:
+                    claimed.set_exception(exc)
+            raise
+        finally:
+            self._busy -= keys
+        if outcome is not None:
+            self._count(len(rows), *outcome)
+
+    async def _settle(
+        self, conn: AsyncConnection, rows: list[OutboxRow]
+    ) -> tuple[list[int], dict[int, str], list[int]]:
+        """Publish ``rows``, then delete the confirmed ones and count a failure on the others;
+        returns the published ids, the failed ones with their errors, and the parked ids."""
+        with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
+            published, failed = await self._publish(rows)
+            tracing.set_attribute(span, "worker.failed", len(failed))
+        crash_point(RELAY_AFTER_PUBLISH)
+        await outbox.delete_outbox(conn, published)
+        parked = await outbox.fail_outbox(
+            conn,
+            failed,
+            max_attempts=self.settings.relay_max_attempts,
+            retry_delay=self.settings.relay_retry_delay,
+        )
+        return published, failed, parked
+
+    def _count(
+        self, claimed: int, published: list[int], failed: dict[int, str], parked: list[int]
+    ) -> None:
+        """Count a committed batch in the metrics and stats, and log its failed rows."""
         self.metrics.relay_batch(
-            len(rows), published=len(published), failed=len(failed), parked=len(parked)
+            claimed, published=len(published), failed=len(failed), parked=len(parked)
         )
         self.stats["relay_published"] += len(published)
         if failed:
@@ -176,7 +293,6 @@ class Relay:
                     "parked in outbox_parked" if row_id in parked else "will be retried",
                     error,
                 )
-        return len(rows)
 
     async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
         """Publish ``rows``: unordered ones concurrently, each ordering key's rows in turn.
@@ -262,8 +378,17 @@ class Relay:
             return self._exchanges[name]
 
     async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
-        """Wait until woken, stopped, or ``seconds`` passed."""
-        await first(self._wake.wait(), stop.wait(), within=seconds)
+        """Wait until woken, stopped, a batch in flight ended (its keys are free again), or
+        ``seconds`` passed; the batches are waited for, never cancelled."""
+        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(
+                [*waiters, *self._batches], timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """LISTEN for commits that added outbox rows, reconnecting after a lost connection.
