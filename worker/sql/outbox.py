@@ -12,7 +12,6 @@ from typing import Any
 
 from sqlalchemy import (
     BigInteger,
-    ColumnElement,
     Select,
     Text,
     all_,
@@ -165,19 +164,20 @@ async def claim_outbox(
     rows are neither locked nor counted against ``limit``.
     """
     result = await conn.execute(_CLAIM, {"limit": limit, "busy": list(busy)})
-    return [OutboxRow(**{**row._asdict(), "body": bytes(row.body)}) for row in result]
+    return [OutboxRow(*row) for row in result]  # (the columns are the fields, in order)
 
 
-def _ids_in(ids: Collection[int]) -> ColumnElement[bool]:
-    """``outbox.id = ANY(:ids)``: one statement text however many ids (a statement whose text
-    changes with its batch is compiled and prepared again every time)."""
-    return outbox.c.id == any_(bindparam("ids", list(ids), type_=ARRAY(BigInteger)))
+_IDS_IN = outbox.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+"""``outbox.id = ANY(:ids)``: one statement text however many ids (a statement whose text
+changes with its batch is compiled and prepared again every time)."""
+
+_DELETE = delete(outbox).where(_IDS_IN)
 
 
 async def delete_outbox(conn: AsyncConnection, ids: Sequence[int]) -> None:
     """Delete published rows (in the transaction that claimed them), in one statement."""
     if ids:
-        await conn.execute(delete(outbox).where(_ids_in(ids)))
+        await conn.execute(_DELETE, {"ids": list(ids)})
 
 
 async def fail_outbox(
@@ -212,7 +212,7 @@ async def fail_outbox(
     columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
     moved = (
         delete(outbox)
-        .where(_ids_in(errors), outbox.c.attempts >= max_attempts)
+        .where(_IDS_IN, outbox.c.attempts >= max_attempts)
         .returning(*(outbox.c[name] for name in columns))
         .cte("moved")
     )
@@ -221,4 +221,4 @@ async def fail_outbox(
         .from_select(columns, select(*(moved.c[name] for name in columns)))
         .returning(outbox_parked.c.id)
     )
-    return [row_id for (row_id,) in await conn.execute(park)]
+    return [row_id for (row_id,) in await conn.execute(park, {"ids": list(errors)})]
