@@ -303,6 +303,28 @@ async def test_a_later_row_of_a_key_waits_behind_an_older_one(
     assert [r.message_id for r in claimed] == [rows_[4].message_id]
 
 
+async def test_rows_behind_a_row_waiting_for_its_retry_do_not_fill_the_claim(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given key "a": its oldest row waiting for a retry and 10 more behind it; then a row of "b"
+    # and one without a key
+    rows_ = [event(settings, n, ordering_key="a") for n in range(11)]
+    rows_ += [event(settings, 11, ordering_key="b"), event(settings, 12)]
+    await commit(engine, rows_, each=False)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE outbox SET available_at = now() + interval '1 h' WHERE message_id = :m"),
+            {"m": rows_[0].message_id},
+        )
+
+    # When a relay claims 5 rows
+    async with engine.connect() as conn, conn.begin():
+        claimed = await outbox.claim_outbox(conn, 5)
+
+    # Then "a"'s held-back rows did not take its 5 places: it got the rows that can go
+    assert [r.message_id for r in claimed] == [rows_[11].message_id, rows_[12].message_id]
+
+
 async def test_a_busy_key_is_neither_claimed_nor_locked(
     settings: Settings, engine: AsyncEngine
 ) -> None:

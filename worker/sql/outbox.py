@@ -15,6 +15,7 @@ from sqlalchemy import (
     Select,
     Text,
     all_,
+    and_,
     any_,
     bindparam,
     delete,
@@ -116,18 +117,29 @@ def _claim_statement() -> Select[Any]:
     """``claim_outbox``'s one statement: lock due rows, then keep each key's unbroken run.
 
     The ``claimed`` CTE (``MATERIALIZED``: it runs, and locks, exactly once) locks up to
-    ``:limit`` due rows in id order, skipping rows other transactions hold and every row of an
-    ordering key in ``:busy``. The outer query returns the rows of no key, and a key's row only
-    when no older row of its key is left outside ``claimed`` (held by another relay, waiting for
-    a retry, or simply beyond the limit).
+    ``:limit`` due rows in id order, skipping rows other transactions hold, every row of an
+    ordering key in ``:busy``, and every row of a key with an older row waiting for its retry
+    (those could only be held back, and a long run of them would fill every claim's limit and
+    stall all other keys until the failed row is published or parked). The outer query returns
+    the rows of no key, and a key's row only when no older row of its key is left outside
+    ``claimed`` (held by another relay, committed since the CTE looked, or beyond the limit).
     """
+    waiting = outbox.alias("waiting")
+    behind_a_retry = exists().where(
+        waiting.c.ordering_key == outbox.c.ordering_key,
+        waiting.c.id < outbox.c.id,
+        waiting.c.available_at > func.now(),
+    )
     claimed = (
         select(*_OUTBOX_ROW_COLUMNS)
         .where(
             outbox.c.available_at <= func.now(),
             or_(
                 outbox.c.ordering_key.is_(None),
-                outbox.c.ordering_key != all_(bindparam("busy", type_=ARRAY(Text))),
+                and_(
+                    outbox.c.ordering_key != all_(bindparam("busy", type_=ARRAY(Text))),
+                    ~behind_a_retry,
+                ),
             ),
         )
         .order_by(outbox.c.id)
