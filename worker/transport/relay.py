@@ -62,11 +62,14 @@ PUBLISH_TIMEOUT = 30.0
 MIN_IDLE = 0.05
 """First wait of a relay that found less than a full batch; it doubles up to the poll interval."""
 
-PIPELINE_DEPTH = 3
+PIPELINE_DEPTH = 2
 """Batches a relay has in flight at once, each in a transaction on a connection of its own.
 
-The relay's pool must hold this many connections plus one for LISTEN: ``runner`` gives it two
-and two more on overflow, hence 3. (Deeper pipelines need a larger pool.)"""
+Two let one batch's claim, delete and commit overlap another's confirms. Three measured worse on
+a 2-core machine with both services on it (e/bare 0.55-0.64 against 0.67-0.80 in alternating
+runs of ``benchmarks.throughput``): the broker's confirm latency grew with the rows in flight.
+The relay's pool must hold this many connections plus one for LISTEN (``runner`` gives it two,
+and two more on overflow)."""
 
 CAUSATION_HEADER = "causation-id"
 
