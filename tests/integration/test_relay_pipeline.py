@@ -108,11 +108,19 @@ def first_arrivals(capture: Capture) -> dict[str, list[int]]:
     return {key: list(dict.fromkeys(seqs)) for key, seqs in arrivals(capture).items()}
 
 
+@pytest.mark.parametrize(
+    "batch_size",
+    [
+        pytest.param(6, id="first-rows"),  # 4 keys in 6 rows: each key's first row per batch
+        pytest.param(16, id="runs"),  # 4 keys in 16 rows: each key's run, one row at a time
+    ],
+)
 async def test_pipelined_batches_keep_each_keys_order_and_hold_it_behind_a_failed_row(
     settings: Settings,
     engine: AsyncEngine,
     capture: Capture,
     amqp: AbstractRobustConnection,
+    batch_size: int,
 ) -> None:
     # Given 50 events of each of 4 keys, interleaved, and k1's 21st addressed to an exchange
     # that does not exist yet (its publish fails until it does)
@@ -122,7 +130,10 @@ async def test_pipelined_batches_keep_each_keys_order_and_hold_it_behind_a_faile
     sent[stuck] = dataclasses.replace(sent[stuck], exchange=late_exchange)
     await commit(engine, sent, each=False)
     fast = settings.replace(
-        relay_batch_size=6, relay_retry_delay=0.05, relay_poll_interval=0.05, relay_max_attempts=50
+        relay_batch_size=batch_size,
+        relay_retry_delay=0.05,
+        relay_poll_interval=0.05,
+        relay_max_attempts=50,
     )
     relay = SlowRelay(fast, engine, amqp, delay=0.02)
 

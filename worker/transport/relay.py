@@ -101,6 +101,30 @@ def message_of(row: OutboxRow) -> aio_pika.Message:
     )
 
 
+def runs_to_publish(rows: Iterable[OutboxRow]) -> list[list[OutboxRow]]:
+    """The runs of rows a batch publishes: all runs at once, each run's rows one at a time.
+
+    A row without an ordering key is a run of its own; a key's rows are one run, in id order.
+    But in a batch of many keys (at least half as many keys as rows that have one), each key's
+    run is cut to its first row: the few rows behind a first would hold the whole batch, and the
+    pipeline slot it takes, for one more round of confirms each, while cut off they simply go in
+    a later batch (claimed once this one has committed and its keys are free again). A row left
+    out is neither published nor failed; it stays locked until this batch ends, then waits for
+    the next claim, in order.
+    """
+    unordered: list[list[OutboxRow]] = []
+    keyed: dict[str, list[OutboxRow]] = defaultdict(list)
+    for row in rows:
+        if row.ordering_key is None:
+            unordered.append([row])
+        else:
+            keyed[row.ordering_key].append(row)
+    runs = list(keyed.values())
+    if 2 * len(runs) >= sum(map(len, runs)):
+        runs = [run[:1] for run in runs]
+    return [*unordered, *runs]
+
+
 def _log_rolled_back(error: BaseException) -> None:
     """Log a batch that failed beside the one whose error the relay retries (an outage fails
     every batch in flight alike)."""
@@ -298,10 +322,11 @@ class Relay:
                 )
 
     async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
-        """Publish ``rows``: unordered ones concurrently, each ordering key's rows in turn.
+        """Publish ``rows``: the ``runs_to_publish`` concurrently, each run's rows in turn.
 
         Returns the confirmed ids and the failed ones with their errors. A key's rows after a
-        failed one are neither: they stay for a later batch, behind the failed row.
+        failed one are neither, nor are those ``runs_to_publish`` left out: they stay for a later
+        batch, behind the failed row or the key's published ones.
         """
         exchanges = {name: await self._exchange(name) for name in {row.exchange for row in rows}}
         published: list[int] = []
@@ -315,15 +340,8 @@ class Relay:
                     return
                 published.append(row.id)
 
-        chains: dict[str, list[OutboxRow]] = defaultdict(list)
-        singles: list[list[OutboxRow]] = []
-        for row in rows:
-            if row.ordering_key is None:
-                singles.append([row])
-            else:
-                chains[row.ordering_key].append(row)
         await first(
-            asyncio.gather(*(publish_in_turn(c) for c in [*singles, *chains.values()])),
+            asyncio.gather(*(publish_in_turn(run) for run in runs_to_publish(rows))),
             within=PUBLISH_TIMEOUT,
             on_timeout=TimeoutError(f"no publisher confirms within {PUBLISH_TIMEOUT} s"),
         )
