@@ -215,6 +215,36 @@ async def test_stopping_lets_the_batches_in_flight_commit(
         assert seqs == list(range(len(seqs))), key
 
 
+async def test_cancelled_after_the_grace_period_the_batches_in_flight_roll_back(
+    settings: Settings,
+    engine: AsyncEngine,
+    capture: Capture,
+    amqp: AbstractRobustConnection,
+) -> None:
+    # Given a relay whose confirms take far longer than a shutdown's grace period, stopping
+    sent = [dataclasses.replace(m, ordering_key=None) for m in sequenced(settings, 10, seed=5)]
+    await commit(engine, sent, each=False)
+    relay = SlowRelay(settings.replace(relay_batch_size=10), engine, amqp, delay=60)
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+
+    async def overlapping() -> bool:
+        return relay.publishing >= 2
+
+    await wait_until(overlapping, timeout=30)
+    stop.set()
+    await asyncio.sleep(0.2)
+
+    # When the grace period runs out and it is cancelled
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, 10)
+
+    # Then its batches were cancelled too, not waited for: they rolled back, every row is left
+    assert relay.stats["relay_published"] == 0
+    assert await outbox_count(engine) == len(sent)
+
+
 @pytest.mark.parametrize("where", ["publish", "delete"])
 async def test_an_outage_in_one_batch_loses_nothing_and_deletes_each_row_once(
     settings: Settings,

@@ -171,7 +171,11 @@ class Relay:
             )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Relay batches until ``stop`` is set; the batches in flight when it is set complete."""
+        """Relay batches until ``stop`` is set; the batches in flight when it is set complete.
+
+        Cancelled (a shutdown's grace period ran out), it cancels them: they roll back, and
+        their rows are published again by the next relay.
+        """
         await self.start()
         assert self._channel is not None
         listener = (
@@ -199,6 +203,10 @@ class Relay:
                     continue
                 idle = MIN_IDLE if claimed else min(idle * 2, self.settings.relay_poll_interval)
                 await self._idle(stop, idle)
+        except asyncio.CancelledError:
+            for batch in self._batches:  # the shutdown's grace period ran out: roll them back
+                batch.cancel()
+            raise
         finally:
             await self._batches_ended()
             if listener is not None:
@@ -245,8 +253,8 @@ class Relay:
             raise errors[0]
 
     async def _batches_ended(self) -> None:
-        """Wait until every batch in flight has committed or rolled back (cancelled only if this
-        wait itself is: the grace period of a shutdown ran out)."""
+        """Wait until every batch in flight has committed or rolled back (cancelled only when
+        ``run`` is: the grace period of a shutdown ran out)."""
         batches, self._batches = self._batches, set()
         for outcome in await asyncio.gather(*batches, return_exceptions=True):
             if isinstance(outcome, Exception):
