@@ -14,9 +14,11 @@ d. ``worker + relay``: the same with the in-process relay, until every payment i
    settlement notice written (the example consumes its own ``payment.settled``) and a capture
    queue bound to ``payment.settled`` holds one event per payment.
 e. ``relay draining the outbox``: ``worker.ops.runner.run_relay`` alone on N preloaded outbox rows
-   (the payments example's ``payment.settled`` events, written with ``outbox.append_outbox``),
-   against ``bare publish+confirm``: the same N messages published with aio-pika, confirms on,
-   ``mandatory`` to a bound queue, ``PUBLISH_WINDOW`` in flight and then awaited.
+   (the payments example's ``payment.settled`` events, written with ``outbox.append_outbox``,
+   ordered by account), against ``bare publish+confirm``: the same N messages published with
+   aio-pika, confirms on, ``mandatory`` to a bound queue, ``PUBLISH_WINDOW`` in flight and then
+   awaited. After the drain, (e) reads its queue back and notes any account whose events arrived
+   in another order than their rows were committed in.
 
 The payments are ``examples.payments.demo.plan_payments``: a share of them (``--duplicates``) are
 repeats of earlier ones, spread over ``--accounts`` accounts. The tables are emptied and a
@@ -69,7 +71,7 @@ import random
 import resource
 import time
 import uuid
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -737,13 +739,42 @@ async def relay_alone(bench: Bench) -> Timing:
 
             timing = await timed(finished, bench.options.timeout, task)
         delivered = await queue_depth(sink)
+        arrived = await arrival_order(sink, delivered, bench.options.timeout)
     finally:
         await delete_broker_objects(settings, [sink_name])
     if delivered != len(bench.plan.sends):
         bench.note("e", f"{delivered} events in the bound queue, expected {len(bench.plan.sends)}")
+    if disordered := out_of_order(bench.plan.sends, arrived):
+        bench.note("e", f"{disordered} accounts' events arrived out of commit order")
     if odd := unusual(stats):
         bench.note("e", f"{odd} (all stats: {dict(stats)})")
     return timing
+
+
+async def arrival_order(queue: AbstractQueue, count: int, within: float) -> list[bytes]:
+    """The bodies of the first ``count`` messages of ``queue``, in the order it delivers them
+    (consumed without acks)."""
+    bodies: list[bytes] = []
+    if count:
+        async with asyncio.timeout(within), queue.iterator(no_ack=True) as messages:
+            async for message in messages:
+                bodies.append(message.body)
+                if len(bodies) >= count:
+                    break
+    return bodies
+
+
+def out_of_order(sends: Iterable[dict[str, object]], bodies: Iterable[bytes]) -> int:
+    """How many accounts' ``payment.settled`` events (``bodies``) did not arrive in the order of
+    ``sends``, which is the order their outbox rows were committed in."""
+    expected: dict[str, list[object]] = defaultdict(list)
+    arrived: dict[str, list[object]] = defaultdict(list)
+    for payment in sends:
+        expected[str(payment["account"])].append(payment["payment_id"])
+    for body in bodies:
+        event = json.loads(body)
+        arrived[str(event["account"])].append(event["payment_id"])
+    return sum(arrived.get(account) != ids for account, ids in expected.items())
 
 
 async def bare_publish(bench: Bench) -> Timing:

@@ -5,6 +5,7 @@ with their row; an ordering key's events arrive in commit order even with two re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import signal
@@ -20,7 +21,12 @@ import aio_pika
 import asyncpg
 import pytest
 from aio_pika import ExchangeType, Message
-from aio_pika.abc import AbstractIncomingMessage, AbstractQueue, AbstractRobustConnection
+from aio_pika.abc import (
+    AbstractExchange,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -31,6 +37,7 @@ from worker.faults import RELAY_AFTER_PUBLISH
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.rows import OutboxMessage
+from worker.transport.relay import Relay
 
 
 @dataclass
@@ -296,6 +303,49 @@ async def test_a_later_row_of_a_key_waits_behind_an_older_one(
     assert [r.message_id for r in claimed] == [rows_[4].message_id]
 
 
+async def test_rows_behind_a_row_waiting_for_its_retry_do_not_fill_the_claim(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given key "a": its oldest row waiting for a retry and 10 more behind it; then a row of "b"
+    # and one without a key
+    rows_ = [event(settings, n, ordering_key="a") for n in range(11)]
+    rows_ += [event(settings, 11, ordering_key="b"), event(settings, 12)]
+    await commit(engine, rows_, each=False)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE outbox SET available_at = now() + interval '1 h' WHERE message_id = :m"),
+            {"m": rows_[0].message_id},
+        )
+
+    # When a relay claims 5 rows
+    async with engine.connect() as conn, conn.begin():
+        claimed = await outbox.claim_outbox(conn, 5)
+
+    # Then "a"'s held-back rows did not take its 5 places: it got the rows that can go
+    assert [r.message_id for r in claimed] == [rows_[11].message_id, rows_[12].message_id]
+
+
+async def test_a_busy_key_is_neither_claimed_nor_locked(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given three rows of key "a", two of "b" and one without a key
+    rows_ = [event(settings, n, ordering_key=k) for n, k in enumerate(["a", "b", "a", "b", "a"])]
+    rows_.append(event(settings, 5))
+    await commit(engine, rows_, each=True)
+
+    # When a relay claims with "a" in flight (an earlier batch of its own still publishing it)
+    async with engine.connect() as conn, conn.begin():
+        claimed = await outbox.claim_outbox(conn, 3, busy=["a"])
+
+        # Then it gets "b"'s run and the unordered row, within its limit, and leaves "a" unlocked
+        assert [r.message_id for r in claimed] == [rows_[i].message_id for i in (1, 3, 5)]
+        async with engine.connect() as other, other.begin():
+            free = await other.execute(
+                text("SELECT message_id FROM outbox ORDER BY id FOR UPDATE SKIP LOCKED")
+            )
+            assert [m for (m,) in free] == [rows_[i].message_id for i in (0, 2, 4)]
+
+
 async def test_an_ordering_key_gives_ids_in_commit_order(
     settings: Settings, engine: AsyncEngine
 ) -> None:
@@ -407,6 +457,51 @@ async def test_a_relay_killed_after_publishing_publishes_again_with_the_same_ids
         await capture.wait_for(2 * len(sent))
         await wait_until(lambda: _is(outbox_count(engine), 0))
     assert capture.ids() == Counter({str(m.message_id): 2 for m in sent})
+
+
+async def test_a_new_exchange_is_probed_once_not_once_per_row(
+    settings: Settings,
+    engine: AsyncEngine,
+    capture: Capture,
+    amqp: AbstractRobustConnection,
+) -> None:
+    # Given 300 events without an ordering key (a batch publishes them all at once)
+    sent = [event(settings, n) for n in range(300)]
+    await commit(engine, sent, each=False)
+    opened = Counter[str]()
+
+    class Counting(Relay):
+        async def _exchange(self, name: str) -> AbstractExchange | None:
+            opened["asked"] += 1
+            return await super()._exchange(name)
+
+    class CountingConnection:
+        def channel(self, **kwargs: Any) -> Any:
+            opened["channels"] += 1
+            return amqp.channel(**kwargs)
+
+    relay = Counting(settings, engine, CountingConnection())  # type: ignore[arg-type]
+
+    # When a relay publishes them
+    async with running(relay):
+        await capture.wait_for(len(sent))
+
+    # Then it asked for the exchange once per batch, and opened one probe channel (and its
+    # publishing channel), not one per row
+    assert opened["channels"] == 2
+    assert opened["asked"] <= len(sent) // settings.relay_batch_size + 1
+
+
+@contextlib.asynccontextmanager
+async def running(relay: Relay) -> AsyncIterator[asyncio.Task[None]]:
+    """``relay.run`` in a task; on exit, stop it and wait for it (its error is raised)."""
+    stop = asyncio.Event()
+    task = asyncio.create_task(relay.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
 
 
 def _rabbitmqctl(*args: str) -> None:

@@ -6,19 +6,27 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
+    Select,
+    Text,
+    all_,
+    and_,
+    any_,
     bindparam,
     delete,
+    exists,
     func,
+    or_,
     select,
     update,
 )
-from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.dialects.postgresql import ARRAY, insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.core.codec import to_jsonable
@@ -147,53 +155,83 @@ class OutboxRow:
 _OUTBOX_ROW_COLUMNS = [outbox.c[name] for name in OutboxRow.__dataclass_fields__]
 
 
-async def claim_outbox(conn: AsyncConnection, limit: int) -> list[OutboxRow]:
-    """Lock up to ``limit`` due rows in id order, skipping rows other relays hold.
+def _claim_statement() -> Select[Any]:
+    """``claim_outbox``'s one statement: lock due rows, then keep each key's unbroken run.
+
+    The ``claimed`` CTE (``MATERIALIZED``: it runs, and locks, exactly once) locks up to
+    ``:limit`` due rows in id order, skipping rows other transactions hold, every row of an
+    ordering key in ``:busy``, and every row of a key with an older row waiting for its retry
+    (those could only be held back, and a long run of them would fill every claim's limit and
+    stall all other keys until the failed row is published or parked). The outer query returns
+    the rows of no key, and a key's row only when no older row of its key is left outside
+    ``claimed`` (held by another relay, committed since the CTE looked, or beyond the limit).
+    """
+    waiting = outbox.alias("waiting")
+    behind_a_retry = exists().where(
+        waiting.c.ordering_key == outbox.c.ordering_key,
+        waiting.c.id < outbox.c.id,
+        waiting.c.available_at > func.now(),
+    )
+    claimed = (
+        select(*_OUTBOX_ROW_COLUMNS)
+        .where(
+            outbox.c.available_at <= func.now(),
+            or_(
+                outbox.c.ordering_key.is_(None),
+                and_(
+                    outbox.c.ordering_key != all_(bindparam("busy", type_=ARRAY(Text))),
+                    ~behind_a_retry,
+                ),
+            ),
+        )
+        .order_by(outbox.c.id)
+        .limit(bindparam("limit"))
+        .with_for_update(skip_locked=True, of=outbox)
+        .cte("claimed")
+        .prefix_with("MATERIALIZED")
+    )
+    older = outbox.alias("older")
+    left_behind = exists().where(
+        older.c.ordering_key == claimed.c.ordering_key,
+        older.c.id < claimed.c.id,
+        older.c.id.not_in(select(claimed.c.id)),
+    )
+    return (
+        select(claimed)
+        .where(or_(claimed.c.ordering_key.is_(None), ~left_behind))
+        .order_by(claimed.c.id)
+    )
+
+
+_CLAIM = _claim_statement()
+
+
+async def claim_outbox(
+    conn: AsyncConnection, limit: int, *, busy: Collection[str] = ()
+) -> list[OutboxRow]:
+    """Lock up to ``limit`` due rows in id order, skipping rows other relays hold and the rows
+    of the ordering keys in ``busy`` (the keys this relay still has in flight); one round trip.
 
     Of an ordering key's rows only an unbroken run from the key's oldest row is returned: a row
     whose older sibling is held by another relay, waiting for a retry, or not claimed here stays
-    locked but unreturned, so no relay can publish a key's rows out of order.
+    locked but unreturned, so no relay can publish a key's rows out of order. A ``busy`` key's
+    rows are neither locked nor counted against ``limit``.
     """
-    stmt = (
-        select(*_OUTBOX_ROW_COLUMNS)
-        .where(outbox.c.available_at <= func.now())
-        .order_by(outbox.c.id)
-        .limit(limit)
-        .with_for_update(skip_locked=True)
-    )
-    rows = [
-        OutboxRow(**{**row._asdict(), "body": bytes(row.body)}) for row in await conn.execute(stmt)
-    ]
-    last_of_key: dict[str, int] = {}
-    for row in rows:
-        if row.ordering_key is not None:
-            last_of_key[row.ordering_key] = row.id
-    if not last_of_key:
-        return rows
-    older = (
-        select(outbox.c.id, outbox.c.ordering_key)
-        .where(
-            outbox.c.ordering_key.in_(list(last_of_key)),
-            outbox.c.id <= max(last_of_key.values()),
-        )
-        .order_by(outbox.c.id)
-    )
-    claimed = {row.id for row in rows}
-    first_gap: dict[str, int] = {}
-    for row_id, key in await conn.execute(older):
-        if row_id not in claimed and key not in first_gap:
-            first_gap[key] = row_id
-    return [
-        row
-        for row in rows
-        if row.ordering_key is None or row.id < first_gap.get(row.ordering_key, row.id + 1)
-    ]
+    result = await conn.execute(_CLAIM, {"limit": limit, "busy": list(busy)})
+    return [OutboxRow(*row) for row in result]  # (the columns are the fields, in order)
+
+
+_IDS_IN = outbox.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
+"""``outbox.id = ANY(:ids)``: one statement text however many ids (a statement whose text
+changes with its batch is compiled and prepared again every time)."""
+
+_DELETE = delete(outbox).where(_IDS_IN)
 
 
 async def delete_outbox(conn: AsyncConnection, ids: Sequence[int]) -> None:
-    """Delete published rows (in the transaction that claimed them)."""
+    """Delete published rows (in the transaction that claimed them), in one statement."""
     if ids:
-        await conn.execute(delete(outbox).where(outbox.c.id.in_(list(ids))))
+        await conn.execute(_DELETE, {"ids": list(ids)})
 
 
 async def fail_outbox(
@@ -228,7 +266,7 @@ async def fail_outbox(
     columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
     moved = (
         delete(outbox)
-        .where(outbox.c.id.in_(list(errors)), outbox.c.attempts >= max_attempts)
+        .where(_IDS_IN, outbox.c.attempts >= max_attempts)
         .returning(*(outbox.c[name] for name in columns))
         .cte("moved")
     )
@@ -237,4 +275,4 @@ async def fail_outbox(
         .from_select(columns, select(*(moved.c[name] for name in columns)))
         .returning(outbox_parked.c.id)
     )
-    return [row_id for (row_id,) in await conn.execute(park)]
+    return [row_id for (row_id,) in await conn.execute(park, {"ids": list(errors)})]

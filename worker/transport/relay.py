@@ -1,15 +1,34 @@
 """The outbox relay: committed events out to RabbitMQ, at least once, in order per ordering key.
 
-One batch is one transaction: claim due rows (``FOR UPDATE SKIP LOCKED``, oldest first), publish
-them persistent and ``mandatory`` with publisher confirms, delete the confirmed ones, count a
-failure on the returned or nacked ones, commit. A row is deleted only in the transaction that
-claimed it and only after its confirm, so a crash anywhere publishes it again (same message id)
-rather than losing it. Rows of one ordering key go one at a time, in id order, which is their
-commit order; other rows are published concurrently, their confirms pipelined.
+A row is deleted only after the broker confirmed it, and only in the transaction that claimed it,
+so a crash anywhere publishes it again (same message id) rather than losing it. An ordering key's
+rows go out one at a time, in id order, which is their commit order, and never past a failed one.
 
-A broker or database outage fails the whole batch: it rolls back and is retried with backoff.
-A row the broker returns or nacks fails alone: its next try moves out exponentially, and after
-``relay_max_attempts`` it is moved to ``outbox_parked``.
+One batch is one transaction on a connection of its own: claim due rows (``FOR UPDATE SKIP
+LOCKED``, oldest first), publish them persistent and ``mandatory`` with publisher confirms, delete
+the confirmed ones in one statement, count a failure on the returned or nacked ones, commit.
+Batches are pipelined: up to ``PIPELINE_DEPTH`` are in flight, and the next one is claimed as soon
+as the previous one's claim returned, so one batch's confirms, delete and commit overlap the next
+one's claim and publishes. Claims stay one at a time, each taking the oldest rows left.
+
+Order under the pipeline. A batch's ordering keys are *busy* from its claim until its transaction
+has ended (committed or rolled back), and each claim skips the rows of busy keys
+(``claim_outbox(busy=...)``): no batch publishes a row of a key whose older row is in flight in
+another batch, or has failed there and is not yet committed as failed. Once that batch has ended,
+the claim's unbroken-run check (the one that keeps several relays in order) finds the older row
+either deleted (confirmed) or still there, waiting for its retry, and then holds the key's later
+rows back behind it. Within a batch a key's rows go one at a time, each confirm awaited before
+the next; rows of other keys, or of none, go concurrently. This was chosen over pinning each key
+to one of N lanes: lanes would split the outbox by a hash of the key, leave lanes idle whenever
+keys are skewed (a hot key goes at one lane's pace while the others poll an empty share), and
+still need the unbroken-run check against other relay processes; skipping busy keys keeps one
+claim over the whole outbox, in id order, for the price of one array parameter.
+
+A broker or database outage fails the batch it hits: it rolls back. The relay then claims nothing
+more, lets the other batches in flight end on their own (commit or roll back, never cancelled),
+and retries with backoff. A row the broker returns or nacks fails alone: its next try moves out
+exponentially, and after ``relay_max_attempts`` it is moved to ``outbox_parked``. Once ``stop`` is
+set the relay claims nothing more and waits for its batches in flight to commit.
 """
 
 from __future__ import annotations
@@ -23,7 +42,7 @@ from typing import Any
 import aio_pika
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import tracing
 from worker.backoff import first, until_stopped
@@ -42,6 +61,15 @@ PUBLISH_TIMEOUT = 30.0
 
 MIN_IDLE = 0.05
 """First wait of a relay that found less than a full batch; it doubles up to the poll interval."""
+
+PIPELINE_DEPTH = 2
+"""Batches a relay has in flight at once, each in a transaction on a connection of its own.
+
+Two let one batch's claim, delete and commit overlap another's confirms. Three measured worse on
+a 2-core machine with both services on it (e/bare 0.55-0.64 against 0.67-0.80 in alternating
+runs of ``benchmarks.throughput``): the broker's confirm latency grew with the rows in flight.
+The relay's pool must hold this many connections plus one for LISTEN (``runner`` gives it two,
+and two more on overflow)."""
 
 CAUSATION_HEADER = "causation-id"
 
@@ -73,11 +101,41 @@ def message_of(row: OutboxRow) -> aio_pika.Message:
     )
 
 
+def runs_to_publish(rows: Iterable[OutboxRow]) -> list[list[OutboxRow]]:
+    """The runs of rows a batch publishes: all runs at once, each run's rows one at a time.
+
+    A row without an ordering key is a run of its own; a key's rows are one run, in id order.
+    But in a batch of many keys (at least half as many keys as rows that have one), each key's
+    run is cut to its first row: the few rows behind a first would hold the whole batch, and the
+    pipeline slot it takes, for one more round of confirms each, while cut off they simply go in
+    a later batch (claimed once this one has committed and its keys are free again). A row left
+    out is neither published nor failed; it stays locked until this batch ends, then waits for
+    the next claim, in order.
+    """
+    unordered: list[list[OutboxRow]] = []
+    keyed: dict[str, list[OutboxRow]] = defaultdict(list)
+    for row in rows:
+        if row.ordering_key is None:
+            unordered.append([row])
+        else:
+            keyed[row.ordering_key].append(row)
+    runs = list(keyed.values())
+    if 2 * len(runs) >= sum(map(len, runs)):
+        runs = [run[:1] for run in runs]
+    return [*unordered, *runs]
+
+
+def _log_rolled_back(error: BaseException) -> None:
+    """Log a batch that failed beside the one whose error the relay retries (an outage fails
+    every batch in flight alike)."""
+    log.info("another outbox batch in flight failed too and was rolled back: %r", error)
+
+
 class Relay:
     """Publishes the outbox until stopped; ``wake()`` makes it look at once.
 
     ``stats`` counts ``relay_published``, ``relay_failed`` (returned, nacked or unpublishable,
-    to be retried) and ``relay_parked``.
+    to be retried) and ``relay_parked``, each once its batch has committed.
     """
 
     def __init__(
@@ -96,6 +154,10 @@ class Relay:
         self._wake = asyncio.Event()
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
+        self._probing = asyncio.Lock()
+        self._batches: set[asyncio.Task[None]] = set()
+        self._busy: set[str] = set()
+        """Ordering keys of the batches in flight, until their transactions have ended."""
 
     def wake(self) -> None:
         """Ask for a batch now: new rows were committed."""
@@ -109,7 +171,11 @@ class Relay:
             )
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Relay batches until ``stop`` is set; the batch under way when it is set completes."""
+        """Relay batches until ``stop`` is set; the batches in flight when it is set complete.
+
+        Cancelled (a shutdown's grace period ran out), it cancels them: they roll back, and
+        their rows are published again by the next relay.
+        """
         await self.start()
         assert self._channel is not None
         listener = (
@@ -118,8 +184,9 @@ class Relay:
             else None
         )
         log.info(
-            "relaying the outbox (batch %d, %d attempts before parking)",
+            "relaying the outbox (batch %d, %d in flight, %d attempts before parking)",
             self.settings.relay_batch_size,
+            PIPELINE_DEPTH,
             self.settings.relay_max_attempts,
         )
         retrying = until_stopped(stop, logger=log)
@@ -127,7 +194,7 @@ class Relay:
         try:
             while not stop.is_set():
                 try:
-                    claimed: int = await retrying(self.relay_batch)
+                    claimed: int = await retrying(self._relay_next, stop)
                 except Exception:
                     if stop.is_set():
                         break  # an outage during shutdown: the rows stay for the next start
@@ -136,33 +203,119 @@ class Relay:
                     continue
                 idle = MIN_IDLE if claimed else min(idle * 2, self.settings.relay_poll_interval)
                 await self._idle(stop, idle)
+        except asyncio.CancelledError:
+            for batch in self._batches:  # the shutdown's grace period ran out: roll them back
+                batch.cancel()
+            raise
         finally:
+            await self._batches_ended()
             if listener is not None:
                 listener.cancel()
                 await asyncio.gather(listener, return_exceptions=True)
             if not self._channel.is_closed:
                 await self._channel.close()
 
-    async def relay_batch(self) -> int:
-        """Relay one batch in one transaction; returns how many rows it claimed."""
+    async def _relay_next(self, stop: asyncio.Event) -> int:
+        """Start the next batch once the pipeline has room; returns how many rows it claimed.
+
+        If a batch failed, every other batch in flight is let end first, then its error is
+        raised (for ``run`` to retry with backoff, nothing in flight).
+        """
+        await self._reap()
+        while len(self._batches) >= PIPELINE_DEPTH:
+            await asyncio.wait(self._batches, return_when=asyncio.FIRST_COMPLETED)
+            await self._reap()
+        if stop.is_set():
+            return 0
         self._wake.clear()
-        async with self.engine.connect() as conn, conn.begin():
-            rows = await outbox.claim_outbox(conn, self.settings.relay_batch_size)
-            if not rows:
-                return 0
-            with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
-                published, failed = await self._publish(rows)
-                tracing.set_attribute(span, "worker.failed", len(failed))
-            crash_point(RELAY_AFTER_PUBLISH)
-            await outbox.delete_outbox(conn, published)
-            parked = await outbox.fail_outbox(
-                conn,
-                failed,
-                max_attempts=self.settings.relay_max_attempts,
-                retry_delay=self.settings.relay_retry_delay,
-            )
+        claimed: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        batch = asyncio.create_task(self._relay_batch(claimed), name="outbox-batch")
+        self._batches.add(batch)
+        try:
+            return await claimed
+        except Exception:
+            await asyncio.wait([batch])  # it ends with the same error, once rolled back
+            await self._reap()
+            raise
+
+    async def _reap(self) -> None:
+        """Forget the batches that ended; if one failed, wait for the rest, then raise its error."""
+        ended = {batch for batch in self._batches if batch.done()}
+        self._batches -= ended
+        errors: list[BaseException] = []
+        for batch in ended:
+            if not batch.cancelled() and (error := batch.exception()) is not None:
+                errors.append(error)
+        if errors:
+            for error in errors[1:]:
+                _log_rolled_back(error)
+            await self._batches_ended()
+            raise errors[0]
+
+    async def _batches_ended(self) -> None:
+        """Wait until every batch in flight has committed or rolled back (cancelled only when
+        ``run`` is: the grace period of a shutdown ran out)."""
+        batches, self._batches = self._batches, set()
+        for outcome in await asyncio.gather(*batches, return_exceptions=True):
+            if isinstance(outcome, Exception):
+                _log_rolled_back(outcome)
+
+    async def _relay_batch(self, claimed: asyncio.Future[int]) -> None:
+        """Relay one batch in one transaction: claim, publish, delete and fail rows, commit.
+
+        ``claimed`` gets the number of rows claimed (or the claim's error) as soon as the claim
+        returns, so that the next batch can be claimed while this one's confirms are in flight.
+        The batch's ordering keys stay busy until its transaction has ended.
+        """
+        keys: set[str] = set()
+        outcome: tuple[list[int], dict[int, str], list[int]] | None = None
+        try:
+            async with self.engine.connect() as conn, conn.begin():
+                rows = await outbox.claim_outbox(
+                    conn, self.settings.relay_batch_size, busy=self._busy
+                )
+                keys = {row.ordering_key for row in rows if row.ordering_key is not None}
+                self._busy |= keys
+                if not claimed.done():
+                    claimed.set_result(len(rows))
+                if rows:
+                    outcome = await self._settle(conn, rows)
+        except BaseException as exc:
+            if not claimed.done():
+                if isinstance(exc, asyncio.CancelledError):
+                    claimed.cancel()
+                else:
+                    claimed.set_exception(exc)
+            raise
+        finally:
+            self._busy -= keys
+        if outcome is not None:
+            self._count(len(rows), *outcome)
+
+    async def _settle(
+        self, conn: AsyncConnection, rows: list[OutboxRow]
+    ) -> tuple[list[int], dict[int, str], list[int]]:
+        """Publish ``rows``, then delete the confirmed ones and count a failure on the others;
+        returns the published ids, the failed ones with their errors, and the parked ids."""
+        with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
+            published, failed = await self._publish(rows)
+            tracing.set_attribute(span, "worker.failed", len(failed))
+        crash_point(RELAY_AFTER_PUBLISH)
+        await outbox.delete_outbox(conn, published)
+        parked = await outbox.fail_outbox(
+            conn,
+            failed,
+            max_attempts=self.settings.relay_max_attempts,
+            retry_delay=self.settings.relay_retry_delay,
+        )
+        return published, failed, parked
+
+    def _count(
+        self, claimed: int, published: list[int], failed: dict[int, str], parked: list[int]
+    ) -> None:
+        """Count a committed batch in the metrics and stats, and log its failed rows."""
         self.metrics.relay_batch(
-            len(rows), published=len(published), failed=len(failed), parked=len(parked)
+            claimed, published=len(published), failed=len(failed), parked=len(parked)
         )
         self.stats["relay_published"] += len(published)
         if failed:
@@ -175,46 +328,40 @@ class Relay:
                     "parked in outbox_parked" if row_id in parked else "will be retried",
                     error,
                 )
-        return len(rows)
 
     async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
-        """Publish ``rows``: unordered ones concurrently, each ordering key's rows in turn.
+        """Publish ``rows``: the ``runs_to_publish`` concurrently, each run's rows in turn.
 
         Returns the confirmed ids and the failed ones with their errors. A key's rows after a
-        failed one are neither: they stay for a later batch, behind the failed row.
+        failed one are neither, nor are those ``runs_to_publish`` left out: they stay for a later
+        batch, behind the failed row or the key's published ones.
         """
+        exchanges = {name: await self._exchange(name) for name in {row.exchange for row in rows}}
         published: list[int] = []
         failed: dict[int, str] = {}
 
         async def publish_in_turn(chain: Iterable[OutboxRow]) -> None:
             for row in chain:
-                error = await self._publish_one(row)
+                error = await self._publish_one(row, exchanges[row.exchange])
                 if error is not None:
                     failed[row.id] = error
                     return
                 published.append(row.id)
 
-        chains: dict[str, list[OutboxRow]] = defaultdict(list)
-        singles: list[list[OutboxRow]] = []
-        for row in rows:
-            if row.ordering_key is None:
-                singles.append([row])
-            else:
-                chains[row.ordering_key].append(row)
         await first(
-            asyncio.gather(*(publish_in_turn(c) for c in [*singles, *chains.values()])),
+            asyncio.gather(*(publish_in_turn(run) for run in runs_to_publish(rows))),
             within=PUBLISH_TIMEOUT,
             on_timeout=TimeoutError(f"no publisher confirms within {PUBLISH_TIMEOUT} s"),
         )
         return published, failed
 
-    async def _publish_one(self, row: OutboxRow) -> str | None:
-        """Publish one row; the reason it failed, or None once the broker confirmed it."""
+    async def _publish_one(self, row: OutboxRow, exchange: AbstractExchange | None) -> str | None:
+        """Publish one row to ``exchange`` (None: the broker has no exchange of the row's name);
+        the reason it failed, or None once the broker confirmed it."""
         try:
             message = message_of(row)
         except (TypeError, ValueError) as exc:
             return f"unpublishable: {exc}"
-        exchange = await self._exchange(row.exchange)
         if exchange is None:
             return f"exchange {row.exchange!r} does not exist"
         try:
@@ -239,26 +386,38 @@ class Relay:
         """The exchange ``name``, or None if the broker does not have it.
 
         Publishing to a missing exchange would close the publishing channel and fail the whole
-        batch, so existence is checked once per name on a throwaway channel.
+        batch, so existence is checked on a throwaway channel: once per name while it exists,
+        once per batch while it does not, and one name at a time (one probe channel at a time,
+        however many batches and rows ask).
         """
         assert self._channel is not None
         if name == "":
             return self._channel.default_exchange
-        if name not in self._exchanges:
-            probe = await self.connection.channel(publisher_confirms=False)
-            try:
-                await probe.get_exchange(name, ensure=True)
-            except aiormq.exceptions.ChannelNotFoundEntity:
-                return None
-            finally:
-                if not probe.is_closed:
-                    await probe.close()
-            self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
-        return self._exchanges[name]
+        async with self._probing:
+            if name not in self._exchanges:
+                probe = await self.connection.channel(publisher_confirms=False)
+                try:
+                    await probe.get_exchange(name, ensure=True)
+                except aiormq.exceptions.ChannelNotFoundEntity:
+                    return None
+                finally:
+                    if not probe.is_closed:
+                        await probe.close()
+                self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
+            return self._exchanges[name]
 
     async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
-        """Wait until woken, stopped, or ``seconds`` passed."""
-        await first(self._wake.wait(), stop.wait(), within=seconds)
+        """Wait until woken, stopped, a batch in flight ended (its keys are free again), or
+        ``seconds`` passed; the batches are waited for, never cancelled."""
+        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(stop.wait())]
+        try:
+            await asyncio.wait(
+                [*waiters, *self._batches], timeout=seconds, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+            await asyncio.gather(*waiters, return_exceptions=True)
 
     async def _listen(self, stop: asyncio.Event) -> None:
         """LISTEN for commits that added outbox rows, reconnecting after a lost connection.
