@@ -132,6 +132,13 @@ class HandlerFailed(Rejected):
     reason = Reason.HANDLER_ERROR
 
 
+def handler_failed(exc: Exception) -> HandlerFailed:
+    """The rejection of a message whose handler raised ``exc``, a permanent failure."""
+    failed = HandlerFailed(f"{type(exc).__name__}: {exc}")
+    failed.__cause__ = exc
+    return failed
+
+
 class RetriesExhausted(Rejected):
     """The message still failed transiently after its last delayed retry."""
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -27,6 +28,7 @@ from worker.core.unit_of_work import MAX_SAVEPOINTS, Isolated, process_batch
 from worker.errors import HandlerFailed, MessageFailed
 from worker.faults import UNIT_OF_WORK_ISOLATING
 from worker.settings import Settings
+from worker.transport.topology import declare_topology
 
 UNIT = UnitOfWorkConfig(exchange="events")
 REQUESTED = "payment.requested"
@@ -412,3 +414,41 @@ async def test_culprits_parked_beside_their_batchs_successes_do_not_slow_the_wor
     assert worker.stats["dead_lettered:handler-error"] == 15
     assert worker.stats["throttled"] == 0
     assert await broker_depth(settings.dead_letter_queue) == 15
+
+
+async def test_a_culprit_that_failed_for_good_is_parked_without_running_again(
+    settings: Settings, amqp: AbstractRobustConnection
+) -> None:
+    # Given a plain handler that fails for good on odd numbers, and 40 messages queued
+    router = Router()
+    calls: dict[int, int] = {}
+
+    @router.handler("numbers")
+    async def numbers(n: int, ctx: Context) -> None:
+        calls[n] = calls.get(n, 0) + 1
+        if n % 2:
+            raise ValueError(f"{n} is odd")
+
+    channel = await amqp.channel(publisher_confirms=True)
+    await declare_topology(channel, settings, router.routing_keys())
+    exchange = await channel.get_exchange(settings.exchange)
+    for n in range(40):
+        await exchange.publish(
+            Message(str(n).encode(), headers={"idempotency-key": f"n{n}"}), routing_key="numbers"
+        )
+    await channel.close()
+
+    # When a worker drains them in batches
+    async with running_worker(settings.replace(batch_size=40, relay=False), router) as worker:
+
+        async def drained() -> bool:
+            return worker.stats["processed"] + worker.stats["dead_lettered"] >= 40
+
+        await wait_until(drained)
+
+    # Then each odd one was parked once, its handler called once: taken out of its batch, it
+    # took its failure path at once instead of failing again in a transaction of its own
+    assert worker.stats["processed"] == 20
+    assert worker.stats["dead_lettered:handler-error"] == 20
+    assert {n: calls[n] for n in range(1, 40, 2)} == dict.fromkeys(range(1, 40, 2), 1)
+    assert await broker_depth(settings.dead_letter_queue) == 20

@@ -28,7 +28,7 @@ from worker.core.context import Batch, Context
 from worker.core.envelope import Envelope
 from worker.core.handler import Handler, HandlerKind
 from worker.core.outcomes import Outcome
-from worker.errors import HandlerFailed, KeyReused, MessageFailed, is_contention, is_transient
+from worker.errors import KeyReused, MessageFailed, handler_failed, is_contention, is_transient
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT, UNIT_OF_WORK_ISOLATING, crash_point
 from worker.sql.batch import finish_batch
 from worker.sql.driver import in_transaction
@@ -105,7 +105,7 @@ async def process_batch(
         except Exception as exc:
             if is_transient(exc):
                 raise
-            raise HandlerFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise handler_failed(exc) from exc
         finally:
             for ctx in contexts:
                 await ctx.close()

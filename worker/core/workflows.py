@@ -31,7 +31,7 @@ from worker.core.config import UnitOfWorkConfig
 from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.outcomes import Outcome
-from worker.errors import HandlerFailed, Rejected, Retryable, is_transient
+from worker.errors import Rejected, Retryable, handler_failed, is_transient
 from worker.faults import crash_point
 from worker.sql import inbox, outbox
 from worker.sql.driver import in_transaction
@@ -154,7 +154,7 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
         except Exception as exc:
             if is_transient(exc) or isinstance(exc, Rejected):
                 raise
-            raise HandlerFailed(f"{type(exc).__name__}: {exc}") from exc
+            raise handler_failed(exc) from exc
         async with engine.connect() as conn, conn.begin():
             if not await inbox.hold_workflow(conn, handler.name, envelope.key, owner):
                 raise WorkflowBusy(f"workflow {envelope.key!r} was taken over by another delivery")

@@ -55,9 +55,12 @@ from worker.core.router import Router
 from worker.core.unit_of_work import Isolated
 from worker.errors import (
     CheckFailed,
+    Fault,
     KeyReused,
     PauseReason,
     Rejected,
+    classify,
+    handler_failed,
 )
 from worker.faults import (
     CONSUMER_AFTER_COMMIT,
@@ -395,13 +398,13 @@ class Consumer:
         crash_point(CONSUMER_AFTER_COMMIT, len(together))
         self.metrics.batch(len(together))
         committed: list[AbstractIncomingMessage] = []
-        isolated: list[tuple[AbstractIncomingMessage, Envelope]] = []
+        isolated: list[tuple[AbstractIncomingMessage, Envelope, Isolated]] = []
         for (message, envelope), end in zip(together, ends, strict=True):
             if isinstance(end, KeyReused):
                 with logs.message_context(envelope.delivery, envelope):
                     await self.failures.failed(message, envelope.delivery, envelope, end)
             elif isinstance(end, Isolated):
-                isolated.append((message, envelope))
+                isolated.append((message, envelope, end))
             else:
                 self._count(envelope, end)
                 committed.append(message)
@@ -417,8 +420,22 @@ class Consumer:
         # each takes its own failure path, or succeeds alone; beside the batch's successes, a
         # culprit parked is no sign of a broken handler (no slowing down for dead letters in a row)
         with self.failures.beside_successes() if committed else contextlib.nullcontext():
-            for message, envelope in isolated:
-                await self._process_alone(message, envelope)
+            for message, envelope, end in isolated:
+                await self._settle_isolated(message, envelope, end)
+
+    async def _settle_isolated(
+        self, message: AbstractIncomingMessage, envelope: Envelope, isolated: Isolated
+    ) -> None:
+        """A culprit taken out of its batch: a permanent failure takes its failure path at once
+        (running it alone would only fail the same way, a transaction later); anything else
+        runs alone, with its in-process tries."""
+        if classify(isolated.error) is Fault.PERMANENT:
+            with logs.message_context(envelope.delivery, envelope):
+                await self.failures.failed(
+                    message, envelope.delivery, envelope, handler_failed(isolated.error)
+                )
+            return
+        await self._process_alone(message, envelope)
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()
