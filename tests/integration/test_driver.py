@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import scalar
 from worker.settings import Settings
-from worker.sql.driver import NotInTransaction, in_transaction
+from worker.sql.driver import NotInTransaction, _begin, in_transaction
 
 INSERT = "INSERT INTO accounts (account, balance_cents) VALUES ($1, 1)"
 
@@ -49,3 +49,22 @@ async def test_a_connection_without_a_transaction_is_refused(
             assert await in_transaction(raw) is raw
     finally:
         await raw.close()
+
+
+async def test_without_the_adapters_coroutine_a_statement_begins_the_transaction(
+    engine: AsyncEngine,
+) -> None:
+    # Given an SQLAlchemy whose asyncpg adapter has no _start_transaction (another version)
+    async with engine.connect() as conn, conn.begin():
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
+        assert driver is not None
+        assert not driver.is_in_transaction()
+
+        # When the driver is asked for, SQLAlchemy is made to begin by a statement of its own
+        await _begin(conn, object())
+
+        # Then the driver is inside SQLAlchemy's transaction
+        assert driver.is_in_transaction()
+        await driver.execute(INSERT, "fallback")
+    assert await scalar(engine, "SELECT count(*) FROM accounts") == 1
