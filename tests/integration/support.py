@@ -11,7 +11,7 @@ import subprocess
 import sys
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,10 +107,15 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def start_worker(
-    settings: Settings, log: Path, command: str = "run", **env_vars: str
+    settings: Settings,
+    log: Path,
+    command: str = "run",
+    *,
+    args: Sequence[str] = (),
+    **env_vars: str,
 ) -> subprocess.Popen[bytes]:
-    """``python -m worker <command>`` with the blocking handlers (unless ``WORKER_HANDLERS`` is
-    given) and the given extra environment; its output goes to ``log``."""
+    """``python -m worker <command> <args>`` with the blocking handlers (unless
+    ``WORKER_HANDLERS`` is given) and the given extra environment; its output goes to ``log``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env["PYTHONPATH"] = str(ROOT)
     env.update(
@@ -120,7 +125,7 @@ def start_worker(
     )
     with log.open("ab") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "worker", command],
+            [sys.executable, "-m", "worker", command, *args],
             cwd=ROOT,
             env=env,
             stdout=out,

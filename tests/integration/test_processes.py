@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments.demo import DemoPlan, plan_payments, request_message
-from tests.helpers import rows, scalar, wait_until, worker_environ
-from tests.integration.support import ROOT, request
+from tests.helpers import rows, scalar, wait_until
+from tests.integration.support import ROOT, request, start_worker
 from worker.ops.supervisor import RestartPolicy, Supervisor, child_command
 from worker.settings import Settings
 
@@ -35,17 +34,13 @@ def start_supervisor(
     settings: Settings, log: Path, *args: str, **env_vars: str
 ) -> subprocess.Popen[bytes]:
     """``python -m worker run --processes 2 *args`` with the payments example; output to ``log``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env["PYTHONPATH"] = str(ROOT)
-    env.update(worker_environ(settings, **{"WORKER_HANDLERS": "examples.payments", **env_vars}))
-    with log.open("ab") as out:
-        return subprocess.Popen(
-            [sys.executable, "-m", "worker", "run", "--processes", str(PROCESSES), *args],
-            cwd=ROOT,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
+    return start_worker(
+        settings,
+        log,
+        "run",
+        args=("--processes", str(PROCESSES), *args),
+        **{"WORKER_HANDLERS": "examples.payments", **env_vars},
+    )
 
 
 @contextlib.contextmanager
