@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
+from worker.ops import cli
 from worker.ops.cli import EVERY_COMMAND, READS, _load_settings, build_parser
 from worker.settings import FIELDS, Field, Group, Settings
 
@@ -288,3 +289,25 @@ def test_every_command_is_listed() -> None:
     dlq = run(WORKER_SCRIPT, "dlq", "--help")
     assert "list" in dlq.stdout
     assert "replay" in dlq.stdout
+
+
+def test_serve_takes_host_and_port_as_short_flags(clean_environ: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8001"])
+    settings = _load_settings(args)
+    assert (settings.ingress_host, settings.ingress_port) == ("0.0.0.0", 8001)
+    assert _load_settings(build_parser().parse_args(["serve"])).ingress_port == 8000
+
+
+def test_serve_without_the_http_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a Python where FastAPI cannot be imported (and the ingress was never imported)
+    for name in [
+        m for m in sys.modules if m == "worker.ingress" or m.startswith("worker.ingress.")
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+
+    # Then `worker serve` is a configuration error (exit 2) naming the extra
+    with pytest.raises(
+        ConfigurationError, match=re.escape("pip install 'rabbit-outbox-worker[http]'")
+    ):
+        cli._serve(Settings(handlers=("examples.payments",)), argparse.Namespace())

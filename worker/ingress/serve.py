@@ -16,6 +16,7 @@ import socket
 from collections.abc import Callable, Iterator
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from worker import database, schema
 from worker.backoff import first, while_starting
@@ -65,24 +66,8 @@ async def serve(
     )
     try:
         await while_starting(log)(schema.require_current, engine, settings, router)
-        config = uvicorn.Config(
-            create_app(settings, engine=engine, router=router),
-            host=settings.ingress_host,
-            port=settings.ingress_port,
-            loop="none",
-            http="h11",
-            lifespan="on",
-            log_config=None,
-            access_log=False,
-            server_header=False,
-            proxy_headers=False,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE,
-        )
-        server = _Server(config)
-        task = asyncio.create_task(_serving(server), name="ingress")
-        await first(server.listening.wait(), asyncio.shield(task))
-        if server.started:
-            port = int(server.servers[0].sockets[0].getsockname()[1])
+
+        def listening(port: int) -> None:
             log.info(
                 "serving the ingress for %s on http://%s:%d (database %s)",
                 ", ".join(router.routing_keys()),
@@ -92,12 +77,46 @@ async def serve(
             )
             if started is not None:
                 started(port)
-            await first(stop.wait(), asyncio.shield(task))
-            server.should_exit = True
-        await task
+
+        app = create_app(settings, engine=engine, router=router)
+        await serve_app(app, settings.ingress_host, settings.ingress_port, stop, listening)
     finally:
         await engine.dispose()
     log.info("the ingress stopped")
+
+
+async def serve_app(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    started: Callable[[int], object] | None = None,
+) -> None:
+    """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no access log, no
+    ``Server`` header, forwarded headers not trusted) until ``stop`` is set, then shut down
+    gracefully; ``started`` gets the port bound once it listens."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="h11",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE,
+    )
+    server = _Server(config)
+    task = asyncio.create_task(_serving(server), name="ingress")
+    await first(server.listening.wait(), asyncio.shield(task))
+    if server.started:
+        if started is not None:
+            started(int(server.servers[0].sockets[0].getsockname()[1]))
+        await first(stop.wait(), asyncio.shield(task))
+        server.should_exit = True
+    await task
 
 
 async def _serving(server: uvicorn.Server) -> None:
