@@ -1,5 +1,6 @@
 """worker: an asyncio RabbitMQ worker with exactly-once effects in PostgreSQL and an outbox."""
 
+from worker import outbox
 from worker.core.context import Batch, Context
 from worker.core.envelope import Delivery
 from worker.core.handler import Handler, HandlerKind
@@ -25,4 +26,5 @@ __all__ = [
     "WorkerError",
     "Workflow",
     "WorkflowBusy",
+    "outbox",
 ]

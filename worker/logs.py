@@ -168,9 +168,15 @@ def _chain(formatted: traceback.TracebackException) -> Iterator[traceback.Traceb
         pending += current.exceptions or []
 
 
+FIELDS = "fields"
+"""The ``extra`` of a record whose values JSON logs carry as fields of their own:
+``log.info("stats %s", text, extra={FIELDS: {"stats": counts}})`` writes ``"stats": {...}``
+beside ``message``, so a log pipeline reads the numbers without parsing the text."""
+
+
 class JsonFormatter(logging.Formatter):
-    """One JSON object per record: time, level, logger, message, the message context, and the
-    exception when there is one."""
+    """One JSON object per record: time, level, logger, message, the message context, the
+    record's own ``FIELDS`` (never in place of the others), and the exception when there is one."""
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
@@ -182,6 +188,9 @@ class JsonFormatter(logging.Formatter):
         for name in MESSAGE_FIELDS:
             if value := getattr(record, name, ""):
                 entry[name] = value
+        own = getattr(record, FIELDS, None)
+        if isinstance(own, dict):
+            entry.update({name: value for name, value in own.items() if name not in entry})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         return redact_text(json.dumps(entry, default=str))

@@ -227,6 +227,21 @@ async def test_outbox_retry_moves_a_parked_row_back_under_its_message_id(
     assert parked == [(other_id,)]
 
 
+async def test_outbox_retry_of_all_rows_sums_them_up_unless_verbose(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    for _ in range(5):
+        await park(engine, settings)
+
+    result = await worker(settings, "outbox", "retry", "--all")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"retried by routing key: {ROUTING_KEY}: 5",
+        "5 parked outbox row(s) moved back into the outbox",
+    ]
+
+
 async def test_outbox_retry_names_ids_that_were_not_parked(
     settings: Settings, engine: AsyncEngine
 ) -> None:

@@ -146,7 +146,7 @@ async def test_replay_refuses_a_copy_older_than_the_inbox_retention_unless_force
     await park(amqp, engine, settings, Copy("k-old", age=OLD), Copy("k-new"))
 
     # When the operator replays everything
-    replayed = await worker(settings, "replay")
+    replayed = await worker(settings, "replay", "-v")
 
     # Then the new one goes back to work and the old one stays parked with its key failed
     assert replayed.returncode == 0, replayed.stderr
@@ -160,7 +160,7 @@ async def test_replay_refuses_a_copy_older_than_the_inbox_retention_unless_force
     assert await failed_keys(engine) == ["k-old"]
 
     # When the operator insists
-    forced = await worker(settings, "replay", "--force")
+    forced = await worker(settings, "replay", "--force", "-v")
 
     # Then the old one goes back too
     assert forced.returncode == 0, forced.stderr
@@ -202,8 +202,8 @@ async def test_a_dry_run_changes_nothing(
 ) -> None:
     await park(amqp, engine, settings, Copy("k1"), Copy("k2", age=OLD), Copy("k3"))
 
-    replay = await worker(settings, "replay", "--dry-run")
-    purge = await worker(settings, "purge", "--all", "--dry-run")
+    replay = await worker(settings, "replay", "--dry-run", "--verbose")
+    purge = await worker(settings, "purge", "--all", "--dry-run", "-v")
 
     assert replay.returncode == 0, replay.stderr
     assert keys_in(replay.stdout, "would replay") == ["k1", "k3"]
@@ -217,6 +217,27 @@ async def test_a_dry_run_changes_nothing(
     assert await broker_depth(settings.dead_letter_queue) == 3
     assert await broker_depth(settings.queue) == 0
     assert await failed_keys(engine) == ["k1", "k2", "k3"]
+
+
+async def test_bulk_actions_sum_up_by_reason_and_handler_unless_verbose(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given many parked messages of two reasons, one of them too old to replay
+    copies = [Copy(f"k{n}") for n in range(12)] + [Copy("bad", reason="invalid")]
+    await park(amqp, engine, settings, *copies, Copy("old", age=OLD))
+
+    # When they are replayed without --verbose
+    replay = await worker(settings, "replay")
+
+    # Then the output is a few lines of totals, not a line per message
+    assert replay.returncode == 0, replay.stderr
+    assert keys_in(replay.stdout) == []
+    lines = replay.stdout.splitlines()
+    assert f"replayed by reason: handler-error handler={HANDLER}: 12" in lines
+    assert f"replayed by reason: invalid handler={HANDLER}: 1" in lines
+    assert sum(line.startswith("refused: ") for line in lines) == 1
+    assert lines[-1].startswith("13 message(s) sent back")
+    assert len(lines) == 4
 
 
 async def test_replay_filters_select_exactly(
@@ -236,9 +257,9 @@ async def test_replay_filters_select_exactly(
 
     # When the operator replays at most two handler errors of one handler
     replayed = await worker(
-        settings, "replay", "--reason", "handler-error", "--handler", HANDLER, "--limit", "2"
+        settings, "replay", "--reason", "handler-error", "--handler", HANDLER, "--limit", "2", "-v"
     )
-    by_key = await worker(settings, "replay", "--key", "k3")
+    by_key = await worker(settings, "replay", "--key", "k3", "-v")
 
     # Then exactly those went back, and the rest stay parked in their order
     assert replayed.returncode == 0, replayed.stderr
@@ -263,7 +284,7 @@ async def test_purge_deletes_exactly_the_matching_messages_and_keeps_the_order(
         Copy("k5", reason="invalid", handler=OTHER_HANDLER),
     )
 
-    purged = await worker(settings, "purge", "--reason", "invalid", "--handler", HANDLER)
+    purged = await worker(settings, "purge", "--reason", "invalid", "--handler", HANDLER, "-v")
 
     assert purged.returncode == 0, purged.stderr
     assert keys_in(purged.stdout, "purged") == ["k1", "k3"]
@@ -298,8 +319,8 @@ async def test_bulk_actions_leave_messages_parked_after_they_began(
     # again while the replay was still going: taking it back would cycle)
     await park(amqp, engine, settings, Copy("k-now"), Copy("k-later", age=-timedelta(hours=1)))
 
-    replayed = await worker(settings, "replay")
-    purged = await worker(settings, "purge", "--all")
+    replayed = await worker(settings, "replay", "-v")
+    purged = await worker(settings, "purge", "--all", "-v")
 
     assert keys_in(replayed.stdout, "replayed") == ["k-now"]
     assert keys_in(purged.stdout, "purged") == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import io
 import json
@@ -131,6 +132,19 @@ async def test_worker_run_logs_json_lines_with_the_message_and_no_password(
         "m-6",
     )
     assert await scalar(engine, "SELECT balance_cents FROM accounts") == 5
+
+    # And the totals at the stop are fields of their own, not only text in the message
+    [stopped] = [r for r in records if r["message"].startswith("stopped")]
+    assert stopped["stats"]["dead_lettered"] == 1
+    assert stopped["stats"] == ast.literal_eval(stopped["message"].removeprefix("stopped; "))
+
+
+def test_a_records_own_fields_are_json_fields_and_never_replace_the_others() -> None:
+    record = logging.LogRecord("worker", logging.INFO, __file__, 1, "stats %s", ("x=1",), None)
+    record.fields = {"stats": {"x": 1}, "message": "forged", "level": "forged"}
+    entry = json.loads(logs.JsonFormatter().format(record))
+    assert entry["stats"] == {"x": 1}
+    assert (entry["message"], entry["level"]) == ("stats x=1", "INFO")
 
 
 FORGED = "2026-01-01 00:00:00,000 CRITICAL worker: forged"

@@ -15,9 +15,8 @@ from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
-from worker import tracing
-from worker.core.codec import JSON_CONTENT_TYPE, encode_json
 from worker.core.envelope import Envelope
+from worker.core.events import Event
 from worker.sql.rows import OutboxMessage
 
 
@@ -99,22 +98,21 @@ class Context(_Session):
         """Record an event in the outbox of this transaction and return its stable message id.
 
         ``body`` is JSON-encoded unless it is ``bytes`` (then give ``content_type``). The event
-        goes to ``exchange`` (default: the worker's exchange) once the transaction commits.
+        goes to ``exchange`` (default: the worker's exchange) once the transaction commits; it
+        carries the incoming message's correlation id, and its key as causation id.
         """
-        if isinstance(body, bytes):
-            payload, kind = body, content_type or "application/octet-stream"
-        else:
-            payload, kind = encode_json(body), content_type or JSON_CONTENT_TYPE
-        message = OutboxMessage(
-            message_id=message_id or uuid.uuid4(),
-            exchange=self.default_exchange if exchange is None else exchange,
-            routing_key=routing_key,
-            body=payload,
-            content_type=kind,
-            headers=_with_trace(headers),
-            correlation_id=self.envelope.correlation_id,
-            causation_id=self.envelope.key,
+        message = Event(
+            routing_key,
+            body,
             ordering_key=ordering_key,
+            headers=headers,
+            exchange=exchange,
+            message_id=message_id,
+            content_type=content_type,
+        ).to_outbox(
+            self.default_exchange,
+            causation_id=self.envelope.key,
+            correlation_id=self.envelope.correlation_id,
         )
         self.outbox.append(message)
         return message.message_id
@@ -143,10 +141,3 @@ class Batch(_Session, Sequence[Context]):
 
     def __len__(self) -> int:
         return len(self._contexts)
-
-
-def _with_trace(headers: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The event's headers plus the current trace context, when tracing is on."""
-    combined = dict(headers or {})
-    tracing.inject(combined)
-    return combined

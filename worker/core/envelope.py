@@ -108,8 +108,17 @@ def idempotency_key(delivery: Delivery) -> str:
             raw = bytes(raw).decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidKey("idempotency key is not UTF-8") from exc
+    return check_key(raw)
+
+
+def check_key(raw: object) -> str:
+    """``raw`` as an idempotency key the inbox can store, or ``InvalidKey``: a non-empty string
+    of at most ``MAX_KEY_LENGTH`` characters with no NUL. The one rule for every key, however it
+    arrives (a header, a producer's ``key=``, an HTTP ``Idempotency-Key``)."""
     if not isinstance(raw, str):
         raise InvalidKey(f"idempotency key must be a string, not {type(raw).__name__}")
+    if not raw:
+        raise InvalidKey("idempotency key is empty")
     if len(raw) > MAX_KEY_LENGTH:
         raise InvalidKey(f"idempotency key is longer than {MAX_KEY_LENGTH} characters")
     if "\x00" in raw:

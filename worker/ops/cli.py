@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import sys
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
@@ -320,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
         "failed, send it back to the work queue, remove it from the DLQ. Each replayed message "
         "runs once. A message parked longer ago than inbox_retention is refused and stays "
         "parked (its key may have expired from the inbox, so it could run twice) unless "
-        "--force. One line per message, then a summary.",
+        "--force. Prints a summary by reason and handler (--verbose: a line per message too).",
     )
     dlq_replay.add_argument("--limit", type=positive_int, help="replay at most this many")
     _dlq_filters(dlq_replay)
@@ -330,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_replay.add_argument(
         "--dry-run", action="store_true", help="show what would be replayed; change nothing"
     )
+    _verbose(dlq_replay)
     dlq_purge = command(
         dlq_commands,
         "dlq purge",
@@ -337,7 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
         "delete the parked messages the filters select",
         "Delete each parked message that the filters select (all of them with --all); the "
         "others keep their place. Asks nothing: give at least one filter or --all. Messages "
-        "parked after the purge began are left. One line per message, then a summary.",
+        "parked after the purge began are left. Prints a summary by reason and handler "
+        "(--verbose: a line per message too).",
     )
     dlq_purge.add_argument("--limit", type=positive_int, help="delete at most this many")
     _dlq_filters(dlq_purge)
@@ -345,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     dlq_purge.add_argument(
         "--dry-run", action="store_true", help="show what would be deleted; change nothing"
     )
+    _verbose(dlq_purge)
 
     status = command(
         commands,
@@ -382,8 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
         "In one transaction, move the parked rows (those with --id, or --all) back into the "
         "outbox with their message_id, 0 attempts and their last error; the relay publishes "
         "them again. Each gets a new outbox id: a row with an ordering key goes out after the "
-        "rows of its key emitted before the retry, not in its original place.",
+        "rows of its key emitted before the retry, not in its original place. Prints how many "
+        "by routing key (a line per row too with --id or --verbose).",
     )
+    _verbose(outbox_retry)
     which = outbox_retry.add_mutually_exclusive_group(required=True)
     which.add_argument(
         "--id",
@@ -651,7 +657,9 @@ def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
                 force=args.force,
                 dry_run=args.dry_run,
             )
-            return await _dlq_report(outcomes, "would replay" if args.dry_run else "replayed")
+            return await _dlq_report(
+                outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
+            )
 
     done, refused = asyncio.run(_with_broker(settings, replay))
     summary = f"{done} message(s) sent back to {settings.queue}"
@@ -674,7 +682,9 @@ def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
         outcomes = dlq.purging(
             connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
         )
-        return await _dlq_report(outcomes, "would purge" if args.dry_run else "purged")
+        return await _dlq_report(
+            outcomes, "would purge" if args.dry_run else "purged", verbose=args.verbose
+        )
 
     done, _ = asyncio.run(_with_broker(settings, purge))
     if args.dry_run:
@@ -684,18 +694,39 @@ def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
     return 0
 
 
-async def _dlq_report(outcomes: AsyncGenerator[Outcome, None], done: str) -> tuple[int, int]:
-    """Print one line per message of a bulk ``dlq`` action as it happens; (done, refused)."""
-    done_count = refused_count = 0
+async def _dlq_report(
+    outcomes: AsyncGenerator[Outcome, None], done: str, *, verbose: bool
+) -> tuple[int, int]:
+    """Carry out a bulk ``dlq`` action and print what it did, summed up by reason and handler
+    (with ``verbose``, a line per message as it happens too); returns (done, refused)."""
+    done_by: Counter[str] = Counter()
+    refused_by: Counter[str] = Counter()
     async with contextlib.aclosing(outcomes) as each:
         async for outcome in each:
+            parked = outcome.parked
             if outcome.done:
-                done_count += 1
-                print(f"{done} {_describe(outcome.parked)}", flush=True)
+                done_by[f"{parked.reason} handler={parked.handler or '-'}"] += 1
+                if verbose:
+                    print(f"{done} {_describe(parked)}", flush=True)
             else:
-                refused_count += 1
-                print(f"refused {_describe(outcome.parked)}: {outcome.refused}", flush=True)
-    return done_count, refused_count
+                refused_by[str(outcome.refused)] += 1
+                if verbose:
+                    print(f"refused {_describe(parked)}: {outcome.refused}", flush=True)
+    _summary(f"{done} by reason", done_by)
+    _summary("refused", refused_by)
+    return done_by.total(), refused_by.total()
+
+
+def _summary(title: str, counts: Counter[str]) -> None:
+    """One line per distinct value of ``counts``, most frequent first."""
+    for value, count in counts.most_common():
+        _show(f"{title}: {value}: {count}")
+
+
+def _verbose(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="a line per message or row, not only totals"
+    )
 
 
 async def _with_broker(
@@ -787,8 +818,10 @@ def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
     retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
-    for row in retried.rows:
-        _show(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
+    if args.verbose or not args.all:
+        for row in retried.rows:
+            _show(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
+    _summary("retried by routing key", Counter(row.routing_key for row in retried.rows))
     if retried.not_parked:
         _show(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
     print(f"{len(retried.rows)} parked outbox row(s) moved back into the outbox")

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import schema
+from worker import logs, schema
 from worker.backoff import while_starting
 from worker.core.handler import HandlerKind
 from worker.core.router import Router
@@ -56,7 +56,12 @@ async def report_stats(stats: Counter[str], interval: float = STATS_INTERVAL) ->
         await asyncio.sleep(interval)
         if stats != last:
             last = stats.copy()
-            log.info("stats %s", " ".join(f"{k}={v}" for k, v in sorted(stats.items())))
+            counts = dict(sorted(stats.items()))
+            log.info(
+                "stats %s",
+                " ".join(f"{k}={v}" for k, v in counts.items()),
+                extra={logs.FIELDS: {"stats": counts}},
+            )
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +73,9 @@ async def _reporting(settings: Settings, stats: Counter[str]) -> AsyncIterator[N
         yield
     finally:
         reporter.cancel()
-    log.info("stopped; %s", dict(stats))
+    log.info(
+        "stopped; %s", dict(stats), extra={logs.FIELDS: {"stats": dict(sorted(stats.items()))}}
+    )
 
 
 async def _open_engine(

@@ -133,6 +133,7 @@ class RetriedOutboxRow:
     parked_id: int
     id: int
     message_id: uuid.UUID
+    routing_key: str
 
 
 async def retry_parked_outbox(
@@ -173,11 +174,16 @@ async def retry_parked_outbox(
     inserted = (
         insert(outbox)
         .from_select(columns, select(*(moved.c[name] for name in columns)).order_by(moved.c.id))
-        .returning(outbox.c.id, outbox.c.message_id)
+        .returning(outbox.c.id, outbox.c.message_id, outbox.c.routing_key)
         .cte("inserted")
     )
     stmt = (
-        select(moved.c.id.label("parked_id"), inserted.c.id, inserted.c.message_id)
+        select(
+            moved.c.id.label("parked_id"),
+            inserted.c.id,
+            inserted.c.message_id,
+            inserted.c.routing_key,
+        )
         .join_from(moved, inserted, moved.c.message_id == inserted.c.message_id)
         .order_by(inserted.c.id)
     )

@@ -27,7 +27,10 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, insert
+from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.sql.expression import ClauseElement
 
 from worker.core.codec import to_jsonable
 from worker.sql.driver import Connection, in_transaction
@@ -203,11 +206,20 @@ def _claim_statement() -> Select[Any]:
     )
 
 
-_CLAIM = _claim_statement()
+def for_driver(statement: ClauseElement, *order: str) -> str:
+    """``statement`` compiled once for asyncpg, to run on the driver as a prepared statement
+    (no SQLAlchemy execution layer per call); its ``$n`` parameters must be ``order``."""
+    compiled = statement.compile(dialect=asyncpg_dialect())  # type: ignore[no-untyped-call]
+    assert isinstance(compiled, SQLCompiler)
+    assert tuple(compiled.positiontup or ()) == order, compiled.positiontup
+    return str(compiled)
+
+
+CLAIM_OUTBOX = for_driver(_claim_statement(), "busy", "limit")
 
 
 async def claim_outbox(
-    conn: AsyncConnection, limit: int, *, busy: Collection[str] = ()
+    conn: Connection, limit: int, *, busy: Collection[str] = ()
 ) -> list[OutboxRow]:
     """Lock up to ``limit`` due rows in id order, skipping rows other relays hold and the rows
     of the ordering keys in ``busy`` (the keys this relay still has in flight); one round trip.
@@ -217,21 +229,33 @@ async def claim_outbox(
     locked but unreturned, so no relay can publish a key's rows out of order. A ``busy`` key's
     rows are neither locked nor counted against ``limit``.
     """
-    result = await conn.execute(_CLAIM, {"limit": limit, "busy": list(busy)})
-    return [OutboxRow(*row) for row in result]  # (the columns are the fields, in order)
+    driver = await in_transaction(conn)
+    rows = await driver.fetch(CLAIM_OUTBOX, list(busy), limit)
+    return [_outbox_row(row) for row in rows]
+
+
+def _outbox_row(row: Sequence[Any]) -> OutboxRow:
+    """A claimed row as ``OutboxRow`` (its columns are the fields, in order); ``headers`` as a
+    dict whether or not the connection decodes ``jsonb`` (SQLAlchemy's do, a bare one does not)."""
+    fields = list(row)
+    headers = fields[6]
+    if isinstance(headers, str):
+        fields[6] = json.loads(headers)
+    return OutboxRow(*fields)
 
 
 _IDS_IN = outbox.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
 """``outbox.id = ANY(:ids)``: one statement text however many ids (a statement whose text
 changes with its batch is compiled and prepared again every time)."""
 
-_DELETE = delete(outbox).where(_IDS_IN)
+DELETE_OUTBOX = for_driver(delete(outbox).where(_IDS_IN), "ids")
 
 
-async def delete_outbox(conn: AsyncConnection, ids: Sequence[int]) -> None:
+async def delete_outbox(conn: Connection, ids: Sequence[int]) -> None:
     """Delete published rows (in the transaction that claimed them), in one statement."""
     if ids:
-        await conn.execute(_DELETE, {"ids": list(ids)})
+        driver = await in_transaction(conn)
+        await driver.execute(DELETE_OUTBOX, list(ids))
 
 
 async def fail_outbox(

@@ -53,6 +53,7 @@ from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
+from worker.transport.failed_events import FailedEvents
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +159,7 @@ class Relay:
         self._batches: set[asyncio.Task[None]] = set()
         self._busy: set[str] = set()
         """Ordering keys of the batches in flight, until their transactions have ended."""
+        self.failed_events = FailedEvents(log)
 
     def wake(self) -> None:
         """Ask for a batch now: new rows were committed."""
@@ -193,6 +195,7 @@ class Relay:
         idle = MIN_IDLE
         try:
             while not stop.is_set():
+                self.failed_events.flush()
                 try:
                     claimed: int = await retrying(self._relay_next, stop)
                 except Exception:
@@ -209,6 +212,7 @@ class Relay:
             raise
         finally:
             await self._batches_ended()
+            self.failed_events.flush(force=True)
             if listener is not None:
                 listener.cancel()
                 await asyncio.gather(listener, return_exceptions=True)
@@ -290,7 +294,7 @@ class Relay:
         finally:
             self._busy -= keys
         if outcome is not None:
-            self._count(len(rows), *outcome)
+            self._count(rows, *outcome)
 
     async def _settle(
         self, conn: AsyncConnection, rows: list[OutboxRow]
@@ -311,23 +315,28 @@ class Relay:
         return published, failed, parked
 
     def _count(
-        self, claimed: int, published: list[int], failed: dict[int, str], parked: list[int]
+        self,
+        rows: list[OutboxRow],
+        published: list[int],
+        failed: dict[int, str],
+        parked: list[int],
     ) -> None:
-        """Count a committed batch in the metrics and stats, and log its failed rows."""
+        """Count a committed batch in the metrics and stats, and its failed rows in the log's
+        summary of failures per route."""
         self.metrics.relay_batch(
-            claimed, published=len(published), failed=len(failed), parked=len(parked)
+            len(rows), published=len(published), failed=len(failed), parked=len(parked)
         )
         self.stats["relay_published"] += len(published)
         if failed:
             self.stats["relay_failed"] += len(failed)
             self.stats["relay_parked"] += len(parked)
-            for row_id, error in failed.items():
-                log.warning(
-                    "outbox row %d %s: %s",
-                    row_id,
-                    "parked in outbox_parked" if row_id in parked else "will be retried",
-                    error,
-                )
+            gone = set(parked)
+            for row in rows:
+                if (error := failed.get(row.id)) is not None:
+                    log.debug("outbox row %d failed: %s", row.id, error)
+                    self.failed_events.record(
+                        (row.exchange, row.routing_key), error, parked=row.id in gone
+                    )
 
     async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
         """Publish ``rows``: the ``runs_to_publish`` concurrently, each run's rows in turn.
