@@ -15,49 +15,17 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.core.codec import JSON_CONTENT_TYPE
 from worker.core.envelope import Envelope
 from worker.errors import KeyReused
+from worker.outbox import publish
 from worker.sql import ingress
-from worker.sql.outbox import append_outbox
-from worker.sql.rows import OutboxMessage
 
 ATTEMPTS = 3
 """Inserts tried for one request: a conflicting row can vanish between the insert that met it
 and the read that looks for it only when the janitor expires it in between."""
-
-
-async def publish(
-    conn: AsyncConnection,
-    routing_key: str,
-    body: bytes,
-    *,
-    key: str,
-    exchange: str,
-    message_id: uuid.UUID,
-    content_type: str,
-) -> uuid.UUID:
-    """(A stand-in for ``worker.outbox.publish`` until it is merged.)"""
-    await append_outbox(
-        conn,
-        [
-            OutboxMessage(
-                message_id=message_id,
-                exchange=exchange,
-                routing_key=routing_key,
-                body=body,
-                content_type=content_type,
-                headers={"idempotency-key": key},
-                correlation_id=None,
-                causation_id=None,
-                ordering_key=None,
-            )
-        ],
-        notify=True,
-    )
-    return message_id
 
 
 @dataclass(frozen=True)

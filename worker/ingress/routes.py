@@ -14,7 +14,6 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
-from typing import Any
 from urllib.parse import quote
 
 from fastapi import APIRouter, Security
@@ -24,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from worker import logs
-from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Delivery, idempotency_key, open_envelope
+from worker.core.envelope import check_key, open_envelope
 from worker.core.handler import Handler
 from worker.core.router import Router
 from worker.errors import ConfigurationError, Fault, NoHandler, Rejected, classify
@@ -148,7 +147,7 @@ def _get(handler: Handler, engine: AsyncEngine, tokens: Tokens) -> Endpoint:
     async def get(request: Request) -> Response:
         try:
             tokens.check(request)
-            key = _path_key(request, handler.routing_key)
+            key = _path_key(request)
             found = await outcome(engine, handler.name, key) if key is not None else None
         except Exception as exc:
             return _refusal(exc, request)
@@ -159,12 +158,11 @@ def _get(handler: Handler, engine: AsyncEngine, tokens: Tokens) -> Endpoint:
     return get
 
 
-def _path_key(request: Request, routing_key: str) -> str | None:
+def _path_key(request: Request) -> str | None:
     """The key a GET names, if the consumer's key check takes it (a key it refuses was never
     accepted: None)."""
-    raw: Any = request.path_params["key"]
     try:
-        return idempotency_key(Delivery(b"", routing_key, headers={IDEMPOTENCY_KEY_HEADER: raw}))
+        return check_key(request.path_params["key"])
     except Rejected:
         return None
 
