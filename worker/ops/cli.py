@@ -700,7 +700,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
     def lines_of(status: admin.Status) -> list[tuple[str, str]]:
-        lines: list[tuple[str, str]] = []
+        lines = [*headline(status), *outbox_headline(status), ("", "")]
         if status.queues is None:
             lines.append(("broker", "unavailable"))
         for queue in status.queues or ():
@@ -710,14 +710,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
             lines.append(("database", "unavailable"))
             return lines
         outbox, inbox = status.database.outbox, status.database.inbox
-        backlog = str(outbox.backlog)
-        if outbox.oldest_age_seconds is not None:
-            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
-        lines += [
-            ("outbox backlog", backlog),
-            ("outbox waiting for a retry", str(outbox.waiting_for_retry)),
-            ("outbox parked", str(outbox.parked)),
-        ]
+        lines.append(("outbox waiting for a retry", str(outbox.waiting_for_retry)))
         lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
         workflows = str(status.database.workflows.in_progress)
         if (oldest := status.database.workflows.oldest) is not None:
@@ -729,6 +722,32 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines.append(("workflows in progress", workflows))
         return lines
 
+    def headline(status: admin.Status) -> list[tuple[str, str]]:
+        """What a person needs first: is anyone consuming, how much waits, how much failed."""
+        work = next((q for q in status.queues or () if q.role == "work"), None)
+        parked = next((q for q in status.queues or () if q.role == "dead letters"), None)
+        if work is None:
+            return [("consuming", "unknown: the broker cannot be read")]
+        if not work.exists:
+            lines = [("consuming", f"no: queue {work.name} does not exist (no worker started)")]
+        elif work.consumers:
+            lines = [("consuming", f"yes: {work.consumers} consumer(s) on {work.name}")]
+        else:
+            lines = [("consuming", f"no: nobody consumes {work.name} (stopped, or paused)")]
+        lines.append(("waiting", f"{work.messages or 0} message(s) ready in {work.name}"))
+        if parked is not None:
+            lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
+        return lines
+
+    def outbox_headline(status: admin.Status) -> list[tuple[str, str]]:
+        if status.database is None:
+            return []
+        outbox = status.database.outbox
+        backlog = str(outbox.backlog)
+        if outbox.oldest_age_seconds is not None:
+            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
+        return [("outbox backlog", backlog), ("outbox parked", str(outbox.parked))]
+
     status = asyncio.run(admin.status(settings))
     if args.json:
         print(admin.to_json(status))
@@ -736,7 +755,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines = lines_of(status)
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
-            _show(f"{label:<{width}}  {value}")
+            _show(f"{label:<{width}}  {value}".rstrip())
     for error in status.errors.values():
         _show(f"worker: error: {error}", file=sys.stderr)
     return 1 if status.errors else 0
