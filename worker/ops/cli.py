@@ -61,7 +61,8 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "outbox retry": (*EVERY_COMMAND, Group.NOTIFY),
     "verify": (*EVERY_COMMAND, Group.RETRIES),
     "health": (*EVERY_COMMAND, Group.ENDPOINT),
-    "migrate": EVERY_COMMAND,
+    "migrate": (*EVERY_COMMAND, Group.RETRIES),
+    "declare": (*EVERY_COMMAND, Group.RETRIES),
     "demo": (*EVERY_COMMAND, Group.RETRIES),
 }
 """Each command and the groups of settings it reads, hence takes as flags.
@@ -441,10 +442,28 @@ def build_parser() -> argparse.ArgumentParser:
         "migrate",
         _migrate,
         "apply the worker's and the handler modules' migrations",
-        "Upgrade the worker's tables, then each handler module's, to their heads.",
+        "Upgrade the worker's tables, then each handler module's, to their heads; then "
+        "declare the broker topology (as `worker declare`), so that messages published before "
+        "the first `worker run` wait in the work queue instead of being dropped.",
     )
     migrate.add_argument(
         "--downgrade", action="store_true", help="undo every migration instead (drops the tables)"
+    )
+    migrate.add_argument(
+        "--no-declare",
+        dest="declare",
+        action="store_false",
+        help="leave the broker alone (migrate the database only)",
+    )
+    command(
+        commands,
+        "declare",
+        _declare,
+        "declare the exchange, queues and bindings the handler modules need",
+        "Declare (or confirm) the durable exchange, the work queue bound with every routing key "
+        "of the handler modules, the dead-letter exchange and queue, and the delayed-retry "
+        "queues, as `worker run` does at start; idempotent. Producers may then publish before "
+        "any worker runs.",
     )
 
     demo = command(
@@ -852,9 +871,27 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     router = load_routers(settings.handlers)
     if args.downgrade:
         schema.downgrade(settings, router)
-    else:
-        schema.upgrade(settings, router)
-        log.info("migrations applied")
+        return 0
+    schema.upgrade(settings, router)
+    log.info("migrations applied")
+    if args.declare:
+        _declare(settings, args)
+    return 0
+
+
+def _declare(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.transport.topology import declare_once
+
+    routing_keys = load_routers(settings.handlers).routing_keys()
+    asyncio.run(declare_once(settings, routing_keys))
+    log.info(
+        "declared exchange %r, queue %r bound to %s, %r and %d retry queue(s)",
+        settings.exchange,
+        settings.queue,
+        ", ".join(map(repr, routing_keys)) or "no routing key",
+        settings.dead_letter_queue,
+        len(settings.retry_delays),
+    )
     return 0
 
 
