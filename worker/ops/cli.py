@@ -493,7 +493,7 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
 
     if settings.processes > 1:
         return supervisor.run_processes(settings, args.argv)
-    router = load_routers(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
     if not router.handlers():
         raise ConfigurationError(
             "no handlers: name handler modules with --handlers or WORKER_HANDLERS, "
@@ -818,8 +818,10 @@ def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
     from worker.ops import verify
 
-    router = load_routers(settings.handlers)
-    invariants = verify.load_invariants(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
+    invariants = verify.load_invariants(
+        settings.handlers, include_installed=settings.installed_handlers
+    )
     if (args.expect_balances or args.capture_queue) and not invariants:
         raise ConfigurationError(
             "--expect-balances and --capture-queue are read by handler modules' invariants, "
@@ -868,7 +870,7 @@ def _health(settings: Settings, args: argparse.Namespace) -> int:
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker import schema
 
-    router = load_routers(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
     if args.downgrade:
         schema.downgrade(settings, router)
         return 0
@@ -882,7 +884,9 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
 def _declare(settings: Settings, args: argparse.Namespace) -> int:
     from worker.transport.topology import declare_once
 
-    routing_keys = load_routers(settings.handlers).routing_keys()
+    routing_keys = load_routers(
+        settings.handlers, include_installed=settings.installed_handlers
+    ).routing_keys()
     asyncio.run(declare_once(settings, routing_keys))
     log.info(
         "declared exchange %r, queue %r bound to %s, %r and %d retry queue(s)",
@@ -898,7 +902,7 @@ def _declare(settings: Settings, args: argparse.Namespace) -> int:
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import demo
 
-    demos = demo.load_demos(settings.handlers)
+    demos = demo.load_demos(settings.handlers, include_installed=settings.installed_handlers)
     options = demo.DemoOptions(args.count, args.duplicates, args.accounts, args.seed)
     for line in asyncio.run(demo.send(settings, options, demos)):
         print(line)
