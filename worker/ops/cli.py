@@ -63,6 +63,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "health": (*EVERY_COMMAND, Group.ENDPOINT),
     "migrate": (*EVERY_COMMAND, Group.RETRIES),
     "declare": (*EVERY_COMMAND, Group.RETRIES),
+    "asyncapi": EVERY_COMMAND,
     "demo": (*EVERY_COMMAND, Group.RETRIES),
 }
 """Each command and the groups of settings it reads, hence takes as flags.
@@ -455,6 +456,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="leave the broker alone (migrate the database only)",
     )
+    asyncapi = command(
+        commands,
+        "asyncapi",
+        _asyncapi,
+        "print the AsyncAPI document of the handler modules",
+        "An AsyncAPI 3.0 document (JSON) generated from the handler modules: a channel per "
+        "routing key on the exchange, each handler's body schema as its payload, and the events "
+        "the handlers declare with publishes=. Nothing is connected to.",
+    )
+    asyncapi.add_argument("--title", help="the document's title (default: the handler modules)")
+    asyncapi.add_argument("--output", "-o", help="write it to this file instead of stdout")
     command(
         commands,
         "declare",
@@ -878,6 +890,23 @@ def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     log.info("migrations applied")
     if args.declare:
         _declare(settings, args)
+    return 0
+
+
+def _asyncapi(settings: Settings, args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from worker.ops import asyncapi
+
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
+    if not router.handlers():
+        raise ConfigurationError("no handlers: name handler modules with --handlers")
+    text = json.dumps(asyncapi.document(router, settings, title=args.title), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+    else:
+        sys.stdout.write(text)
     return 0
 
 
