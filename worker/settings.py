@@ -260,6 +260,13 @@ class Settings:
         "comma-separated handler modules to load, besides the installed `worker.handlers` "
         "entry points",
     )
+    installed_handlers: bool = setting(
+        True,
+        boolean,
+        Group.DEPLOYMENT,
+        "serve the handler modules installed as `worker.handlers` entry points too (off: only "
+        "those named in `handlers`)",
+    )
     max_body_bytes: int = setting(
         1024 * 1024,
         positive_int,

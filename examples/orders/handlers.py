@@ -42,7 +42,13 @@ class OrderPlaced(BaseModel):
     account: str = Field(min_length=1)
 
 
-@router.workflow("order.placed")
+class OrderShipped(OrderPlaced):
+    """The body of ``order.shipped``: the order, and the charge that paid for it."""
+
+    charge_id: str
+
+
+@router.workflow("order.placed", publishes={"order.shipped": OrderShipped})
 async def fulfil_order(order: OrderPlaced, wf: Workflow) -> dict[str, Any]:
     """Reserve the stock, charge the account, dispatch the shipment: each step once."""
     reservation = await wf.step("reserve_inventory", reserve_inventory, order)

@@ -63,7 +63,13 @@ class DuplicatePayment(Permanent):
     charge twice, so the message is dead-lettered for a person to look at."""
 
 
-@router.batch_handler("payment.requested")
+class PaymentSettled(PaymentRequested):
+    """The body of ``payment.settled``: the payment and the account's balance after it."""
+
+    balance_cents: int = Field(ge=-INT64_MAX - 1, le=INT64_MAX)
+
+
+@router.batch_handler("payment.requested", publishes={"payment.settled": PaymentSettled})
 async def settle_payments(payments: list[PaymentRequested], batch: Batch) -> list[dict[str, Any]]:
     """Record the ledger entries, credit the accounts and emit one ``payment.settled`` each.
 
@@ -166,12 +172,6 @@ def _settle(
         ctx.publish("payment.settled", event, ordering_key=payment.account)
         settled.append(event)
     return settled
-
-
-class PaymentSettled(PaymentRequested):
-    """The body of ``payment.settled``: the payment and the account's balance after it."""
-
-    balance_cents: int = Field(ge=-INT64_MAX - 1, le=INT64_MAX)
 
 
 @router.handler("payment.settled")  # a plain handler: one body, one Context

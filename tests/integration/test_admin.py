@@ -16,8 +16,16 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from examples.payments import router as payments
 from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until, worker_environ
-from tests.integration.support import ROUTING_KEY, add_outbox_row, declare, park, running_relay
+from tests.integration.support import (
+    ROUTING_KEY,
+    add_outbox_row,
+    declare,
+    park,
+    running_relay,
+    running_worker,
+)
 from worker.ops import admin
 from worker.settings import Settings
 
@@ -74,6 +82,12 @@ async def test_status_shows_queues_outbox_inbox_and_workflows(
 
     assert result.returncode == 0, result.stderr
     out = result.stdout
+    # first what a person needs first, then the detail
+    headline = [text.split()[0] for text in out.split("\n\n")[0].splitlines()]
+    assert headline == ["consuming", "waiting", "dead-lettered", "outbox", "outbox"]
+    assert line(out, "consuming") == f"no: nobody consumes {settings.queue} (stopped, or paused)"
+    assert line(out, "waiting") == f"1 message(s) ready in {settings.queue}"
+    assert line(out, "dead-lettered") == f"0 in {settings.dead_letter_queue}"
     assert line(out, f"queue {settings.queue}") == "messages=1 consumers=0"
     assert line(out, f"queue {settings.dead_letter_queue}") == "messages=0 consumers=0"
     for delay in settings.retry_delays:
@@ -89,6 +103,14 @@ async def test_status_shows_queues_outbox_inbox_and_workflows(
     workflows = line(out, "workflows in progress")
     assert workflows.startswith("1 (oldest: handler=order.placed key=order-1 ")
     assert "recovery_point=reserve_inventory" in workflows
+
+
+async def test_status_says_first_that_a_worker_consumes(settings: Settings) -> None:
+    async with running_worker(settings, payments):
+        result = await worker(settings, "status")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("consuming ")
+    assert line(result.stdout, "consuming") == f"yes: 1 consumer(s) on {settings.queue}"
 
 
 async def test_status_json_is_one_object(
@@ -138,6 +160,7 @@ async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
     assert status["database"]["workflows"] == {"in_progress": 0, "oldest": None}
     text_result = await worker(settings, "status")
     assert line(text_result.stdout, f"queue {settings.queue}") == "missing"
+    assert line(text_result.stdout, "consuming").startswith("no: queue ")
     assert line(text_result.stdout, "outbox backlog") == "0"
 
 

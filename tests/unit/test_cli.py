@@ -24,6 +24,7 @@ DEPLOYMENT = {
     "exchange": "ex",
     "queue": "q",
     "handlers": "examples.payments",
+    "installed_handlers": "false",
     "log_level": "DEBUG",
     "log_format": "json",
 }
@@ -71,7 +72,7 @@ def test_each_command_takes_the_deployment_flags(
     command: str, clean_environ: pytest.MonkeyPatch
 ) -> None:
     assert all(group in READS[command] for group in EVERY_COMMAND)
-    flags = [f"--{name.replace('_', '-')}={value}" for name, value in DEPLOYMENT.items()]
+    flags = [_flag(spec, DEPLOYMENT[spec.name]) for spec in _deployment()]
     args = build_parser().parse_args([*command.split(), *flags, *NEEDS.get(command, [])])
     settings = _load_settings(args)
     deployment = {spec.name: spec.parse(DEPLOYMENT[spec.name]) for spec in _deployment()}
@@ -84,6 +85,13 @@ def test_the_deployment_flags_are_the_groups_every_command_takes() -> None:
 
 def _deployment() -> list[Field]:
     return [spec for spec in FIELDS if spec.group in EVERY_COMMAND]
+
+
+def _flag(spec: Field, value: str) -> str:
+    """``--name=value``, or for a switch ``--name`` / ``--no-name``."""
+    if spec.switch:
+        return spec.flags[0] if spec.parse(value) else spec.flags[1]
+    return f"{spec.flag}={value}"
 
 
 @pytest.mark.parametrize("command", list(READS))

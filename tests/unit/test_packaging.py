@@ -77,7 +77,8 @@ def test_only_the_worker_package_is_installed(installed: Path, tmp_path: Path) -
         f"dist = m.distribution({DIST_NAME!r})\n"
         "print(json.dumps({'version': dist.version, 'name': dist.metadata['Name'],\n"
         "    'files': [str(f) for f in dist.files],\n"
-        "    'scripts': [e.value for e in dist.entry_points if e.name == 'worker']}))",
+        "    'scripts': [e.value for e in dist.entry_points if e.group == 'console_scripts'],\n"
+        "    'pytest11': [e.value for e in dist.entry_points if e.group == 'pytest11']}))",
         cwd=tmp_path,
     )
     assert listing.returncode == 0, listing.stderr
@@ -93,6 +94,7 @@ def test_only_the_worker_package_is_installed(installed: Path, tmp_path: Path) -
     assert top_level == {"worker"}
     assert "worker/migrations/versions/0001_inbox_and_outbox.py" in dist["files"]
     assert dist["scripts"] == ["worker.ops.cli:main"]
+    assert dist["pytest11"] == ["worker.pytest_plugin"]  # (the fixtures for users' tests)
 
 
 def test_worker_imports_and_examples_does_not(installed: Path, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from examples.payments import router as payments_router
+from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
 from worker.ops.plugins import installed_targets, load_router_from, load_routers
 
@@ -112,3 +113,20 @@ def test_named_modules_and_installed_plugins_combine(plugin: Plugin) -> None:
 def test_an_unnamed_plugin_router_is_named_after_its_module(plugin: Plugin) -> None:
     router = load_router_from(plugin.module)
     assert router.name == plugin.module
+
+
+@pytest.mark.parametrize(
+    ("argv", "env"),
+    [
+        (["--no-installed-handlers"], {}),
+        ([], {"WORKER_INSTALLED_HANDLERS": "false"}),
+    ],
+)
+def test_a_deployment_may_serve_only_the_modules_it_names(
+    plugin: Plugin, tmp_path: Path, argv: list[str], env: dict[str, str]
+) -> None:
+    # Given a plugin installed in the environment, and no module named: with installed handlers
+    # off there is nothing to serve, so the worker refuses to start instead of serving the plugin
+    result = run(WORKER_SCRIPT, "run", *argv, PYTHONPATH=str(tmp_path), WORKER_HANDLERS="", **env)
+    assert result.returncode == 2, result.stderr
+    assert "no handlers" in result.stderr

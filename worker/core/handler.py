@@ -38,6 +38,9 @@ class Handler:
     func: Callable[[Any, Any], Awaitable[Any]]
     body_type: Any
     kind: HandlerKind = HandlerKind.PLAIN
+    publishes: tuple[tuple[str, Any], ...] = ()
+    """(routing key, body type) of the events it declares it publishes: documentation (the
+    AsyncAPI document), not a check of what ``ctx.publish`` is given."""
     adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

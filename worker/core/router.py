@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import inspect
 import typing
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +53,14 @@ def _body_type(func: Callable[..., Awaitable[Any]], *, batch: bool = False) -> A
     return typing.get_args(declared)[0]
 
 
+def _declared(publishes: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...]:
+    """A handler's ``publishes``, checked: routing keys (no wildcards) to body types."""
+    for routing_key in publishes or {}:
+        if not isinstance(routing_key, str) or not routing_key or "*" in routing_key:
+            raise HandlerRegistrationError(f"publishes: {routing_key!r} is not a routing key")
+    return tuple((publishes or {}).items())
+
+
 class Router:
     """A set of handlers, with the Alembic migrations of the tables they own, if any.
 
@@ -77,29 +85,47 @@ class Router:
         self._children: list[Router] = []
 
     def handler(
-        self, routing_key: str, *, name: str | None = None
+        self,
+        routing_key: str,
+        *,
+        name: str | None = None,
+        publishes: Mapping[str, Any] | None = None,
     ) -> Callable[[HandlerFunc], HandlerFunc]:
         """Register the decorated coroutine function as the handler of ``routing_key``.
 
         ``name`` (default: the routing key) is stored with every idempotency key; keep it stable,
-        or earlier deliveries are no longer recognised as duplicates.
+        or earlier deliveries are no longer recognised as duplicates. ``publishes`` maps the
+        routing keys of the events it emits to their body types, for ``worker asyncapi``.
         """
 
         def register(func: HandlerFunc) -> HandlerFunc:
             if not inspect.iscoroutinefunction(func):
                 raise HandlerRegistrationError(f"handler {func.__qualname__} must be async def")
-            self._add(Handler(name or routing_key, routing_key, func, _body_type(func)))
+            self._add(
+                Handler(
+                    name or routing_key,
+                    routing_key,
+                    func,
+                    _body_type(func),
+                    publishes=_declared(publishes),
+                )
+            )
             return func
 
         return register
 
     def workflow(
-        self, routing_key: str, *, name: str | None = None
+        self,
+        routing_key: str,
+        *,
+        name: str | None = None,
+        publishes: Mapping[str, Any] | None = None,
     ) -> Callable[[WorkflowFunc], WorkflowFunc]:
         """Register the decorated coroutine function as a multi-step workflow for ``routing_key``.
 
         It is called as ``func(body, wf)`` with a ``worker.Workflow``; each ``await wf.step(...)``
         runs in a transaction of its own, and a redelivery resumes after the last committed step.
+        ``name`` and ``publishes`` as for ``handler``.
         """
 
         def register(func: WorkflowFunc) -> WorkflowFunc:
@@ -107,14 +133,25 @@ class Router:
                 raise HandlerRegistrationError(f"workflow {func.__qualname__} must be async def")
             body_type = _body_type(func)
             self._add(
-                Handler(name or routing_key, routing_key, func, body_type, HandlerKind.WORKFLOW)
+                Handler(
+                    name or routing_key,
+                    routing_key,
+                    func,
+                    body_type,
+                    HandlerKind.WORKFLOW,
+                    _declared(publishes),
+                )
             )
             return func
 
         return register
 
     def batch_handler(
-        self, routing_key: str, *, name: str | None = None
+        self,
+        routing_key: str,
+        *,
+        name: str | None = None,
+        publishes: Mapping[str, Any] | None = None,
     ) -> Callable[[BatchHandlerFunc], BatchHandlerFunc]:
         """Register the decorated coroutine function as the batch handler of ``routing_key``.
 
@@ -122,7 +159,7 @@ class Router:
         routing key (distinct keys, in key order) and a ``worker.Batch`` holding each message's
         ``Context``, for set-based writes in the batch's one transaction. It returns None or one
         result per body, stored with that body's key. A message handled alone comes as a batch
-        of one.
+        of one. ``name`` and ``publishes`` as for ``handler``.
         """
 
         def register(func: BatchHandlerFunc) -> BatchHandlerFunc:
@@ -131,7 +168,16 @@ class Router:
                     f"batch handler {func.__qualname__} must be async def"
                 )
             body_type = _body_type(func, batch=True)
-            self._add(Handler(name or routing_key, routing_key, func, body_type, HandlerKind.BATCH))
+            self._add(
+                Handler(
+                    name or routing_key,
+                    routing_key,
+                    func,
+                    body_type,
+                    HandlerKind.BATCH,
+                    _declared(publishes),
+                )
+            )
             return func
 
         return register

@@ -46,7 +46,8 @@ def create_app(
     database whose migrations are behind the code.
     """
     settings = Settings.load() if settings is None else settings
-    router = load_routers(settings.handlers) if router is None else router
+    if router is None:
+        router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
     owned = engine is None
     if engine is None:
         engine = database.create_engine(

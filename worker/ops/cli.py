@@ -64,7 +64,9 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "outbox retry": (*EVERY_COMMAND, Group.NOTIFY),
     "verify": (*EVERY_COMMAND, Group.RETRIES),
     "health": (*EVERY_COMMAND, Group.ENDPOINT),
-    "migrate": EVERY_COMMAND,
+    "migrate": (*EVERY_COMMAND, Group.RETRIES),
+    "declare": (*EVERY_COMMAND, Group.RETRIES),
+    "asyncapi": EVERY_COMMAND,
     "demo": (*EVERY_COMMAND, Group.RETRIES),
 }
 """Each command and the groups of settings it reads, hence takes as flags.
@@ -473,10 +475,39 @@ def build_parser() -> argparse.ArgumentParser:
         "migrate",
         _migrate,
         "apply the worker's and the handler modules' migrations",
-        "Upgrade the worker's tables, then each handler module's, to their heads.",
+        "Upgrade the worker's tables, then each handler module's, to their heads; then "
+        "declare the broker topology (as `worker declare`), so that messages published before "
+        "the first `worker run` wait in the work queue instead of being dropped.",
     )
     migrate.add_argument(
         "--downgrade", action="store_true", help="undo every migration instead (drops the tables)"
+    )
+    migrate.add_argument(
+        "--no-declare",
+        dest="declare",
+        action="store_false",
+        help="leave the broker alone (migrate the database only)",
+    )
+    asyncapi = command(
+        commands,
+        "asyncapi",
+        _asyncapi,
+        "print the AsyncAPI document of the handler modules",
+        "An AsyncAPI 3.0 document (JSON) generated from the handler modules: a channel per "
+        "routing key on the exchange, each handler's body schema as its payload, and the events "
+        "the handlers declare with publishes=. Nothing is connected to.",
+    )
+    asyncapi.add_argument("--title", help="the document's title (default: the handler modules)")
+    asyncapi.add_argument("--output", "-o", help="write it to this file instead of stdout")
+    command(
+        commands,
+        "declare",
+        _declare,
+        "declare the exchange, queues and bindings the handler modules need",
+        "Declare (or confirm) the durable exchange, the work queue bound with every routing key "
+        "of the handler modules, the dead-letter exchange and queue, and the delayed-retry "
+        "queues, as `worker run` does at start; idempotent. Producers may then publish before "
+        "any worker runs.",
     )
 
     demo = command(
@@ -518,7 +549,7 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
 
 def _handler_modules(settings: Settings) -> Router:
     """The handler modules' router; a ``ConfigurationError`` when they hold no handler."""
-    router = load_routers(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
     if not router.handlers():
         raise ConfigurationError(
             "no handlers: name handler modules with --handlers or WORKER_HANDLERS, "
@@ -753,7 +784,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
     def lines_of(status: admin.Status) -> list[tuple[str, str]]:
-        lines: list[tuple[str, str]] = []
+        lines = [*headline(status), *outbox_headline(status), ("", "")]
         if status.queues is None:
             lines.append(("broker", "unavailable"))
         for queue in status.queues or ():
@@ -763,14 +794,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
             lines.append(("database", "unavailable"))
             return lines
         outbox, inbox = status.database.outbox, status.database.inbox
-        backlog = str(outbox.backlog)
-        if outbox.oldest_age_seconds is not None:
-            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
-        lines += [
-            ("outbox backlog", backlog),
-            ("outbox waiting for a retry", str(outbox.waiting_for_retry)),
-            ("outbox parked", str(outbox.parked)),
-        ]
+        lines.append(("outbox waiting for a retry", str(outbox.waiting_for_retry)))
         lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
         workflows = str(status.database.workflows.in_progress)
         if (oldest := status.database.workflows.oldest) is not None:
@@ -782,6 +806,32 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines.append(("workflows in progress", workflows))
         return lines
 
+    def headline(status: admin.Status) -> list[tuple[str, str]]:
+        """What a person needs first: is anyone consuming, how much waits, how much failed."""
+        work = next((q for q in status.queues or () if q.role == "work"), None)
+        parked = next((q for q in status.queues or () if q.role == "dead letters"), None)
+        if work is None:
+            return [("consuming", "unknown: the broker cannot be read")]
+        if not work.exists:
+            lines = [("consuming", f"no: queue {work.name} does not exist (no worker started)")]
+        elif work.consumers:
+            lines = [("consuming", f"yes: {work.consumers} consumer(s) on {work.name}")]
+        else:
+            lines = [("consuming", f"no: nobody consumes {work.name} (stopped, or paused)")]
+        lines.append(("waiting", f"{work.messages or 0} message(s) ready in {work.name}"))
+        if parked is not None:
+            lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
+        return lines
+
+    def outbox_headline(status: admin.Status) -> list[tuple[str, str]]:
+        if status.database is None:
+            return []
+        outbox = status.database.outbox
+        backlog = str(outbox.backlog)
+        if outbox.oldest_age_seconds is not None:
+            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
+        return [("outbox backlog", backlog), ("outbox parked", str(outbox.parked))]
+
     status = asyncio.run(admin.status(settings))
     if args.json:
         print(admin.to_json(status))
@@ -789,7 +839,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines = lines_of(status)
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
-            _show(f"{label:<{width}}  {value}")
+            _show(f"{label:<{width}}  {value}".rstrip())
     for error in status.errors.values():
         _show(f"worker: error: {error}", file=sys.stderr)
     return 1 if status.errors else 0
@@ -833,8 +883,10 @@ def _verify(settings: Settings, args: argparse.Namespace) -> int:
 
     from worker.ops import verify
 
-    router = load_routers(settings.handlers)
-    invariants = verify.load_invariants(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
+    invariants = verify.load_invariants(
+        settings.handlers, include_installed=settings.installed_handlers
+    )
     if (args.expect_balances or args.capture_queue) and not invariants:
         raise ConfigurationError(
             "--expect-balances and --capture-queue are read by handler modules' invariants, "
@@ -883,19 +935,56 @@ def _health(settings: Settings, args: argparse.Namespace) -> int:
 def _migrate(settings: Settings, args: argparse.Namespace) -> int:
     from worker import schema
 
-    router = load_routers(settings.handlers)
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
     if args.downgrade:
         schema.downgrade(settings, router)
+        return 0
+    schema.upgrade(settings, router)
+    log.info("migrations applied")
+    if args.declare:
+        _declare(settings, args)
+    return 0
+
+
+def _asyncapi(settings: Settings, args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from worker.ops import asyncapi
+
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
+    if not router.handlers():
+        raise ConfigurationError("no handlers: name handler modules with --handlers")
+    text = json.dumps(asyncapi.document(router, settings, title=args.title), indent=2) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
     else:
-        schema.upgrade(settings, router)
-        log.info("migrations applied")
+        sys.stdout.write(text)
+    return 0
+
+
+def _declare(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.transport.topology import declare_once
+
+    routing_keys = load_routers(
+        settings.handlers, include_installed=settings.installed_handlers
+    ).routing_keys()
+    asyncio.run(declare_once(settings, routing_keys))
+    log.info(
+        "declared exchange %r, queue %r bound to %s, %r and %d retry queue(s)",
+        settings.exchange,
+        settings.queue,
+        ", ".join(map(repr, routing_keys)) or "no routing key",
+        settings.dead_letter_queue,
+        len(settings.retry_delays),
+    )
     return 0
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import demo
 
-    demos = demo.load_demos(settings.handlers)
+    demos = demo.load_demos(settings.handlers, include_installed=settings.installed_handlers)
     options = demo.DemoOptions(args.count, args.duplicates, args.accounts, args.seed)
     for line in asyncio.run(demo.send(settings, options, demos)):
         print(line)

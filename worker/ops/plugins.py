@@ -2,7 +2,8 @@
 
 A handler module exposes a ``router`` (a ``worker.Router``). An installed package plugs in
 through the ``worker.handlers`` entry-point group; each entry point names a module or a router
-(``package.module`` or ``package.module:router``). Every entry point installed is loaded.
+(``package.module`` or ``package.module:router``). Every entry point installed is loaded,
+unless the deployment turns them off (``installed_handlers``).
 
 A module named by the operator is imported as ``python -m`` would import it: the current
 directory is searched first, so ``WORKER_HANDLERS=examples.payments`` works from the repository

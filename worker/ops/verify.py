@@ -102,7 +102,11 @@ async def verify(
     An invariant that raises is a failed check named after its function, with the cause.
     """
     deployment = Deployment(settings, router, engine, connection, options)
-    extra = load_invariants(settings.handlers) if invariants is None else invariants
+    extra = (
+        load_invariants(settings.handlers, include_installed=settings.installed_handlers)
+        if invariants is None
+        else invariants
+    )
     checks: list[Check] = []
     for invariant in (*WORKER_INVARIANTS, *extra):
         try:
