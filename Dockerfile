@@ -1,4 +1,5 @@
-# The worker image: `worker run` by default; compose also uses it for `worker migrate` and `worker demo`.
+# The worker image: `worker run` by default; compose also uses it for `worker migrate`,
+# `worker serve` and `worker demo`.
 FROM python:3.11-slim
 
 # A container's network namespace is its own: /healthz and /metrics listen on every interface of
@@ -11,7 +12,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 WORKDIR /app
 
 # The dependencies exactly as locked, hash-checked (a layer of their own: rebuilt only when
-# the lock changes), then the worker itself without resolving anything again.
+# the lock changes), then the worker itself without resolving anything again. The lock holds the
+# `http` extra (FastAPI, uvicorn), so the same image runs `worker serve`, the HTTP ingress.
 COPY requirements.lock .
 RUN pip install --no-cache-dir --require-hashes -r requirements.lock
 

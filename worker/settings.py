@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -54,6 +55,35 @@ def port(raw: str) -> int:
     if not 0 <= value <= 65535:
         raise ValueError("must be a TCP port between 0 and 65535 (0 turns it off)")
     return value
+
+
+def listen_port(raw: str) -> int:
+    """A TCP port to listen on; 0 for a free one the system picks."""
+    value = int(raw)
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port between 0 and 65535 (0: a free one)")
+    return value
+
+
+MIN_TOKEN_LENGTH = 16
+"""The shortest bearer token accepted: a token is the only secret between a client and the
+ingress, so one a person could guess is refused at start."""
+
+_BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
+"""RFC 6750's ``b64token``: what an ``Authorization: Bearer`` header can carry."""
+
+
+def bearer_tokens(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of bearer tokens, each at least ``MIN_TOKEN_LENGTH`` characters of
+    RFC 6750's token alphabet (letters, digits, ``-._~+/``, trailing ``=``)."""
+    tokens = tuple(part.strip() for part in raw.split(",") if part.strip())
+    for token in tokens:
+        if len(token) < MIN_TOKEN_LENGTH or not _BEARER_TOKEN.fullmatch(token):
+            raise ValueError(
+                f"each token must be at least {MIN_TOKEN_LENGTH} characters of letters, digits "
+                "and -._~+/ (trailing = allowed)"
+            )
+    return tokens
 
 
 def log_format(raw: str) -> str:
@@ -132,6 +162,8 @@ class Group(enum.Enum):
     DEPLOYMENT = "where the database, the broker and the handler modules are"
     LOGGING = "logging"
     CONSUMER = "how the consumer takes, batches and processes deliveries"
+    LIMITS = "what a message body may be, however it arrives (the broker or the HTTP ingress)"
+    INGRESS = "the HTTP ingress (`worker serve`)"
     COMPONENTS = "what runs inside `worker run` beside the consumer"
     SUPERVISOR = "how many worker processes `worker run` starts"
     PROCESS = "how a long-running process shuts down, and its endpoint's capacity"
@@ -153,10 +185,15 @@ class _Spec:
     help: str
 
 
-def setting(default: _T, parse: Callable[[str], _T], group: Group, help: str) -> _T:
+def setting(
+    default: _T, parse: Callable[[str], _T], group: Group, help: str, *, secret: bool = False
+) -> _T:
     """A field of ``Settings``: its default, how its ``WORKER_*`` variable and flag are parsed,
-    the group of commands that read it, and what it is for."""
-    return dataclasses.field(default=default, metadata={_SPEC: _Spec(parse, group, help)})
+    the group of commands that read it, and what it is for. A ``secret`` is left out of the
+    settings' ``repr``, so no log line or traceback that shows them shows it."""
+    return dataclasses.field(
+        default=default, repr=not secret, metadata={_SPEC: _Spec(parse, group, help)}
+    )
 
 
 @dataclass(frozen=True)
@@ -233,15 +270,16 @@ class Settings:
     max_body_bytes: int = setting(
         1024 * 1024,
         positive_int,
-        Group.CONSUMER,
-        "larger message bodies are dead-lettered as `body-too-large`",
+        Group.LIMITS,
+        "larger message bodies are dead-lettered as `body-too-large`, and refused by the "
+        "ingress (413) before they are read",
     )
     max_json_depth: int = setting(
         DEFAULT_MAX_DEPTH,
         positive_int,
-        Group.CONSUMER,
-        "bodies nesting JSON arrays and objects deeper are dead-lettered as `body-too-deep`, "
-        "before they are parsed",
+        Group.LIMITS,
+        "bodies nesting JSON arrays and objects deeper are dead-lettered as `body-too-deep` "
+        "(refused by the ingress), before they are parsed",
     )
     failure_throttle_after: int = setting(
         20,
@@ -373,6 +411,34 @@ class Settings:
         positive_int,
         Group.SWEEP,
         "expired inbox keys deleted per transaction",
+    )
+    ingress_host: str = setting(
+        "127.0.0.1",
+        str,
+        Group.INGRESS,
+        "address the ingress listens on; `0.0.0.0` (or `::`) for every interface, as in a "
+        "container",
+    )
+    ingress_port: int = setting(
+        8000,
+        listen_port,
+        Group.INGRESS,
+        "port the ingress listens on; `0` for a free one (logged at start)",
+    )
+    ingress_tokens: tuple[str, ...] = setting(
+        (),
+        bearer_tokens,
+        Group.INGRESS,
+        "comma-separated bearer tokens the ingress accepts (`Authorization: Bearer <token>`, "
+        "each at least 16 characters); none: no authentication. Prefer the variable to the "
+        "flag, which other users of the host can read",
+        secret=True,
+    )
+    ingress_pool_size: int = setting(
+        10,
+        positive_int,
+        Group.INGRESS,
+        "database connections the ingress holds; a request waits for a free one",
     )
     workflow_lease: float = setting(
         30.0,

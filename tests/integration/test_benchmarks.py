@@ -17,3 +17,13 @@ def test_throughput_quick_run_prints_every_ratio() -> None:
     assert any(line.startswith("(c+) worker") for line in lines), result.stdout
     assert "peak RSS after (c)" in result.stdout
     assert "publish -> commit" in result.stdout
+
+
+def test_ingress_quick_run_prints_the_ratio_and_the_p99() -> None:
+    result = run_benchmark("ingress", "--quick", "--requests", "200", "--seconds", "0.5")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("ingress ") and "{202:" in line for line in lines), result.stdout
+    assert any(line.startswith("baseline ") and "{202:" in line for line in lines), result.stdout
+    assert any(line.startswith("ratio ingress/baseline ") for line in lines), result.stdout
+    assert any(line.startswith("ingress p99 at 500 req/s ") for line in lines), result.stdout

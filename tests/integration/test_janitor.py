@@ -213,5 +213,7 @@ async def test_worker_gc_sweeps_once_from_the_command_line(
     )
 
     assert result.returncode == 0, result.stderr
-    assert "deleted 3 inbox keys older than 7d in 1 batches" in result.stdout
+    assert "deleted 3 inbox keys and 0 ingress requests older than 7d in 1 batches" in (
+        result.stdout
+    )
     assert await keys(engine) == ["new-0"]

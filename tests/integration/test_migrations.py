@@ -41,6 +41,7 @@ def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
         "outbox",
         "outbox_parked",
         "workflow_steps",
+        "ingress_requests",
         "accounts",
         "ledger_entries",
         "settlement_notices",
@@ -67,5 +68,6 @@ def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
         "outbox",
         "outbox_parked",
         "workflow_steps",
+        "ingress_requests",
         "alembic_version",
     }

@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
+from worker.ops import cli
 from worker.ops.cli import EVERY_COMMAND, READS, _load_settings, build_parser
 from worker.settings import FIELDS, Field, Group, Settings
 
@@ -60,8 +61,10 @@ def test_every_command_declares_what_it_reads() -> None:
     assert set(leaf_commands(build_parser())) == set(READS)
 
 
-def test_run_reads_every_group() -> None:
-    assert set(READS["run"]) == set(Group)
+def test_run_reads_every_group_but_the_ingress() -> None:
+    """``worker run`` is a complete deployment of the worker; the HTTP ingress runs apart, in
+    ``worker serve``."""
+    assert set(READS["run"]) == set(Group) - {Group.INGRESS}
 
 
 @pytest.mark.parametrize("command", list(READS))
@@ -156,7 +159,7 @@ def test_run_help_mentions_each_flag_and_variable_once() -> None:
     assert result.returncode == 0, result.stderr
     for spec in FIELDS:
         for word in (*spec.flags, spec.env):
-            assert mentions(result.stdout, word) == 1, word
+            assert mentions(result.stdout, word) == (spec.group in READS["run"]), word
     assert re.search(r"\[WORKER_BATCH_LINGER; default 2ms\]", result.stdout)
     assert "[WORKER_RETRY_DELAYS; default 1s,10s,1m]" in result.stdout
     assert "--relay, --no-relay" in result.stdout
@@ -294,3 +297,25 @@ def test_every_command_is_listed() -> None:
     dlq = run(WORKER_SCRIPT, "dlq", "--help")
     assert "list" in dlq.stdout
     assert "replay" in dlq.stdout
+
+
+def test_serve_takes_host_and_port_as_short_flags(clean_environ: pytest.MonkeyPatch) -> None:
+    args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8001"])
+    settings = _load_settings(args)
+    assert (settings.ingress_host, settings.ingress_port) == ("0.0.0.0", 8001)
+    assert _load_settings(build_parser().parse_args(["serve"])).ingress_port == 8000
+
+
+def test_serve_without_the_http_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Given a Python where FastAPI cannot be imported (and the ingress was never imported)
+    for name in [
+        m for m in sys.modules if m == "worker.ingress" or m.startswith("worker.ingress.")
+    ]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fastapi", None)
+
+    # Then `worker serve` is a configuration error (exit 2) naming the extra
+    with pytest.raises(
+        ConfigurationError, match=re.escape("pip install 'rabbit-outbox-worker[http]'")
+    ):
+        cli._serve(Settings(handlers=("examples.payments",)), argparse.Namespace())

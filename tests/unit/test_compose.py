@@ -213,3 +213,13 @@ def test_the_worker_connects_as_its_least_privilege_user() -> None:
     assert url.username == "worker"
     assert "worker" in {user["name"] for user in definitions["users"]}
     assert "guest" not in {user["name"] for user in definitions["users"]}
+
+
+def test_the_ingress_listens_in_its_container_and_is_published_on_the_loopback_only() -> None:
+    ingress = services()["ingress"]
+    args = build_parser().parse_args(command_of(ingress)[1:])
+    assert args.command == "serve"
+    assert args.ingress_host == "0.0.0.0"
+    assert ingress["ports"] == ["127.0.0.1:8000:8000"]
+    assert Settings().ingress_port == 8000
+    assert ingress["depends_on"]["migrate"]["condition"] == "service_completed_successfully"

@@ -1,5 +1,5 @@
-"""The ``worker`` command: run the consumer or a relay, apply migrations, expire inbox keys,
-inspect and replay the dead-letter queue, send demo traffic.
+"""The ``worker`` command: run the consumer or a relay, serve the HTTP ingress, apply migrations,
+expire inbox keys, inspect and replay the dead-letter queue, send demo traffic.
 
 Every setting is a ``WORKER_*`` environment variable, read by every command. A command takes as
 flags only the settings of the groups it reads (``READS``), each shown once in its ``--help``, and
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from worker.ops.dlq import Outcome, Parked, Selection
 
 from worker import logs
+from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.ops import supervisor
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
@@ -41,6 +42,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "run": (
         *EVERY_COMMAND,
         Group.CONSUMER,
+        Group.LIMITS,
         Group.COMPONENTS,
         Group.SUPERVISOR,
         Group.PROCESS,
@@ -51,6 +53,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
         Group.SWEEP,
     ),
     "relay": (*EVERY_COMMAND, Group.PROCESS, Group.ENDPOINT, Group.RELAY, Group.NOTIFY),
+    "serve": (*EVERY_COMMAND, Group.INGRESS, Group.LIMITS),
     "gc": (*EVERY_COMMAND, Group.RETRIES, Group.SWEEP),
     "workflows": EVERY_COMMAND,
     "dlq list": EVERY_COMMAND,
@@ -70,7 +73,19 @@ READS: Mapping[str, tuple[Group, ...]] = {
 
 RETRIES goes with inbox_retention (gc, dlq replay) as well as with the retry queues' names
 (status, verify, demo's topology): Settings refuses a retention shorter than the retry chain, so
-a command that takes one of the two must take the other."""
+a command that takes one of the two must take the other. LIMITS is read by both ways a message
+comes in, the consumer and the ingress, so the ingress accepts no body the consumer would park.
+"""
+
+ALIASES: Mapping[str, Mapping[str, str]] = {
+    "serve": {"ingress_host": "--host", "ingress_port": "--port"},
+}
+"""Shorter spellings of a setting's flag that one command takes too: ``worker serve --port 8000``
+is ``--ingress-port 8000``."""
+
+HTTP_EXTRA = frozenset({"fastapi", "starlette", "uvicorn", "h11", "anyio", "click"})
+"""Top-level modules of the ``http`` extra's packages: ``worker serve`` without one of them says
+which extra to install."""
 
 
 def readers(group: Group) -> list[str]:
@@ -83,8 +98,9 @@ def _flag_help(spec: Field) -> str:
     return help.replace("%", "%%")
 
 
-def _add_flag(section: argparse._ArgumentGroup, spec: Field) -> None:
-    """``spec``'s flag (``--x`` / ``--no-x`` for a switch); None unless given."""
+def _add_flag(section: argparse._ArgumentGroup, spec: Field, aliases: Sequence[str] = ()) -> None:
+    """``spec``'s flag (``--x`` / ``--no-x`` for a switch) and its ``aliases``; None unless
+    given."""
     if spec.switch:
         section.add_argument(
             spec.flag,
@@ -96,6 +112,7 @@ def _add_flag(section: argparse._ArgumentGroup, spec: Field) -> None:
     else:
         section.add_argument(
             spec.flag,
+            *aliases,
             dest=spec.name,
             type=spec.parse,
             default=None,
@@ -126,10 +143,11 @@ class _Refused(argparse.Action):
 def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
     """The flags of the settings ``command`` reads, a section per group; the others refused."""
     reads = READS[command]
+    aliases = ALIASES.get(command, {})
     for group in (group for group in Group if group in reads):
         section = parser.add_argument_group(group.value)
         for spec in (spec for spec in FIELDS if spec.group is group):
-            _add_flag(section, spec)
+            _add_flag(section, spec, [aliases[spec.name]] if spec.name in aliases else [])
     for spec in (spec for spec in FIELDS if spec.group not in reads):
         parser.add_argument(
             *spec.flags,
@@ -154,9 +172,10 @@ def settings_table() -> str:
 
 def _table_row(spec: Field) -> str:
     takers = readers(spec.group)
+    aliases = [f"`{by[spec.name]}` (`{c}`)" for c, by in ALIASES.items() if spec.name in by]
     cells = (
         f"`{spec.env}`",
-        " / ".join(f"`{flag}`" for flag in spec.flags),
+        " / ".join([*(f"`{flag}`" for flag in spec.flags), *aliases]),
         f"`{spec.shown_default}`",
         "every command" if takers == list(READS) else ", ".join(f"`{c}`" for c in takers),
         spec.help,
@@ -241,11 +260,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     command(
         commands,
+        "serve",
+        _serve,
+        "serve the HTTP ingress: POST a message, GET its handler's result",
+        "Serve POST /messages/<routing key> (a JSON body and an Idempotency-Key header: the "
+        "request and its event are recorded in one transaction, 202 Accepted) and GET "
+        "/messages/<routing key>/<key> (pending, completed with the handler's result, or "
+        "failed) for every routing key of the handler modules, OpenAPI at /docs and /healthz, "
+        "until SIGTERM/SIGINT; requests in flight then finish. Needs the http extra: "
+        "pip install 'rabbit-outbox-worker[http]'.",
+    )
+    command(
+        commands,
         "gc",
         _gc,
         "delete inbox keys older than the retention window, once",
         "One janitor sweep: delete completed and failed inbox keys older than "
-        "inbox_retention in batches, unless another janitor is sweeping right now.",
+        "inbox_retention in batches, then the ingress's requests accepted longer ago, unless "
+        "another janitor is sweeping right now.",
     )
 
     workflows = command(
@@ -505,18 +537,39 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
 
     if settings.processes > 1:
         return supervisor.run_processes(settings, args.argv)
-    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
-    if not router.handlers():
-        raise ConfigurationError(
-            "no handlers: name handler modules with --handlers or WORKER_HANDLERS, "
-            f"or install a package with a {ENTRY_POINT_GROUP!r} entry point"
-        )
+    router = _handler_modules(settings)
 
     async def serve(stop: asyncio.Event) -> None:
         supervisor.stop_when_orphaned(stop)
         await runner.run(settings, router, stop)
 
     asyncio.run(_until_signalled(serve))
+    return 0
+
+
+def _handler_modules(settings: Settings) -> Router:
+    """The handler modules' router; a ``ConfigurationError`` when they hold no handler."""
+    router = load_routers(settings.handlers, include_installed=settings.installed_handlers)
+    if not router.handlers():
+        raise ConfigurationError(
+            "no handlers: name handler modules with --handlers or WORKER_HANDLERS, "
+            f"or install a package with a {ENTRY_POINT_GROUP!r} entry point"
+        )
+    return router
+
+
+def _serve(settings: Settings, args: argparse.Namespace) -> int:
+    try:
+        from worker.ingress import serve
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in HTTP_EXTRA:
+            raise
+        raise ConfigurationError(
+            f"worker serve needs the http extra ({exc.name} is not installed): "
+            "pip install 'rabbit-outbox-worker[http]'"
+        ) from exc
+    router = _handler_modules(settings)
+    asyncio.run(_until_signalled(lambda stop: serve.serve(settings, router, stop)))
     return 0
 
 
@@ -549,8 +602,8 @@ def _gc(settings: Settings, args: argparse.Namespace) -> int:
         print("another janitor is sweeping the inbox; nothing done")
     else:
         print(
-            f"deleted {result.deleted} inbox keys older than "
-            f"{format_duration(settings.inbox_retention)} in {result.batches} batches"
+            f"deleted {result.deleted} inbox keys and {result.requests} ingress requests older "
+            f"than {format_duration(settings.inbox_retention)} in {result.batches} batches"
         )
     return 0
 

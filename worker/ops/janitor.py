@@ -1,4 +1,5 @@
-"""The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``.
+"""The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``, and
+in the same sweep the HTTP ingress's requests accepted longer ago than that.
 
 One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
 finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own
@@ -7,7 +8,9 @@ never wait behind a sweep for long. ``in_progress`` keys are never deleted here.
 
 Retention must outlast redelivery, the delayed retries and any replay from the dead-letter queue:
 once a key is deleted, a late copy of its message is new again and applies its effect a second
-time.
+time. A request of the ingress expires with the same retention: a client's retry after it
+appends a new event, which the inbox still recognises for as long as its key is kept (keys are
+touched after their request was accepted, so they outlive it).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -23,23 +27,29 @@ from worker.backoff import first
 from worker.errors import is_transient
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
-from worker.sql import maintenance
+from worker.sql import ingress, maintenance
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Sweep:
-    """What one sweep did: ``deleted`` keys in total, in ``batches`` transactions that deleted at
-    least one key each (the closing transaction that found fewer than a batch, maybe none, counts
-    only if it deleted something)."""
+    """What one sweep did: ``deleted`` inbox keys and ``requests`` ingress requests in total, in
+    ``batches`` transactions that deleted at least one row each (the closing transaction of each
+    table, which found fewer than a batch, maybe none, counts only if it deleted something)."""
 
     deleted: int
     batches: int
+    requests: int = 0
+
+
+Delete = Callable[..., Awaitable[int]]
+"""A statement that deletes up to ``limit`` expired rows older than ``retention`` seconds."""
 
 
 async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
-    """Delete every expired key, a batch per transaction; None if another instance is sweeping.
+    """Delete every expired inbox key, then every expired ingress request, a batch per
+    transaction; None if another instance is sweeping.
 
     The janitor lock is held, on one connection, from before the first batch to after the last
     and is released before the connection goes back to the pool (or the connection is closed).
@@ -51,22 +61,30 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
                 locked = await maintenance.try_lock_janitor(conn)
             if not locked:
                 return None
-            deleted = batches = 0
-            while True:
-                async with conn.begin():
-                    count = await maintenance.delete_expired_keys(
-                        conn,
-                        retention=settings.inbox_retention,
-                        limit=settings.janitor_batch_size,
-                    )
-                deleted += count
-                if count:
-                    batches += 1
-                if count < settings.janitor_batch_size:
-                    return Sweep(deleted, batches)
+            keys, key_batches = await _delete_all(conn, settings, maintenance.delete_expired_keys)
+            requests, request_batches = await _delete_all(
+                conn, settings, ingress.delete_expired_requests
+            )
+            return Sweep(keys, key_batches + request_batches, requests)
         finally:
             if locked:
                 await _unlock(conn)
+
+
+async def _delete_all(conn: AsyncConnection, settings: Settings, delete: Delete) -> tuple[int, int]:
+    """Run ``delete`` a batch per transaction until a batch finds fewer than
+    ``janitor_batch_size`` rows; (rows deleted, transactions that deleted some)."""
+    deleted = batches = 0
+    while True:
+        async with conn.begin():
+            count = await delete(
+                conn, retention=settings.inbox_retention, limit=settings.janitor_batch_size
+            )
+        deleted += count
+        if count:
+            batches += 1
+        if count < settings.janitor_batch_size:
+            return deleted, batches
 
 
 async def _unlock(conn: AsyncConnection) -> None:
@@ -134,8 +152,15 @@ class Janitor:
         result = await sweep(self.engine, self.settings)
         if result is None:
             log.debug("another instance is sweeping the inbox")
-        elif result.deleted:
+        elif result.deleted or result.requests:
             self.stats["inbox_expired"] += result.deleted
             self.metrics.expired(result.deleted)
-            log.info("deleted %d expired inbox keys in %d batches", result.deleted, result.batches)
+            if result.requests:
+                self.stats["ingress_requests_expired"] += result.requests
+            log.info(
+                "deleted %d expired inbox keys and %d ingress requests in %d batches",
+                result.deleted,
+                result.requests,
+                result.batches,
+            )
         return result

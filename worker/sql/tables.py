@@ -4,7 +4,9 @@
 (for a workflow) is under way between steps under its owner's lease; ``workflow_steps`` holds the
 output of each committed step of a workflow; ``outbox`` holds events committed with an effect and
 not yet confirmed by the broker; ``outbox_parked`` holds events the relay gave up on after its
-last attempt, for an operator to inspect and retry.
+last attempt, for an operator to inspect and retry; ``ingress_requests`` holds one row per
+(handler, idempotency key) that the HTTP ingress accepted, with its payload's fingerprint and the
+message id of the event it appended.
 """
 
 from __future__ import annotations
@@ -121,4 +123,17 @@ outbox_parked = Table(
     Column("last_error", Text, nullable=True),
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+)
+
+ingress_requests = Table(
+    "ingress_requests",
+    metadata,
+    Column("handler", Text, nullable=False, comment="the handler of the routing key posted to"),
+    Column("key", Text, nullable=False, comment="the client's Idempotency-Key"),
+    Column("routing_key", Text, nullable=False),
+    Column("fingerprint", LargeBinary, nullable=False, comment="SHA-256 of the canonical body"),
+    Column("message_id", Uuid, nullable=False, comment="the event appended to the outbox"),
+    Column("accepted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("handler", "key"),
+    Index(None, "accepted_at"),
 )

@@ -1,0 +1,361 @@
+"""The HTTP ingress against a hand-written FastAPI endpoint doing the same writes, in one run.
+
+Two servers, one after the other, each under uvicorn with the same settings
+(``worker.ingress.serve.serve_app``: h11, no access log) in this process, on the same fresh
+database:
+
+- ``ingress``: ``worker serve``'s application for the payments example
+  (``worker.ingress.serve.serve``), ``ingress_pool_size`` connections;
+- ``baseline``: a FastAPI endpoint written by hand for ``payment.requested``: FastAPI parses and
+  validates the body into ``PaymentRequested`` and reads the ``Idempotency-Key`` header, then one
+  raw asyncpg transaction (a pool of as many connections) inserts the request row
+  ``ON CONFLICT DO NOTHING`` and, when it was new, the outbox row with its NOTIFY; 202.
+
+For each, a load generator in a spawned process (in this event loop it would compete with the
+server for it) measures:
+
+1. ``accepted/s``: ``--requests`` distinct payments posted by ``--clients`` (50) concurrent httpx
+   clients, each with a connection of its own, as fast as they are answered; every answer must
+   be a 202. The ratio ingress/baseline is printed against its target (>= 0.8x).
+2. latency at ``--rate`` (500) requests per second offered for ``--seconds`` on absolute deadlines
+   (an open loop: a request is sent at its time whether or not earlier ones were answered), from
+   its deadline to its answer; p50 and p99 (nearest rank) against the target p99 < 50 ms.
+
+The tables are emptied and a CHECKPOINT taken before each measurement. Tests never assert the
+timings. A fresh database ``worker_bench_<hex>`` is created next to the one in
+``WORKER_DATABASE_URL``, migrated and dropped at the end. From the repository root::
+
+    .venv/bin/python -m benchmarks.ingress [--requests 5000] [--rate 500] [--seconds 10] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Annotated, Any
+
+import asyncpg
+import httpx
+from fastapi import FastAPI, Header
+from starlette.responses import JSONResponse
+
+from benchmarks.relay_latency import percentile, progress
+from examples.payments import router as payments_router
+from examples.payments.handlers import PaymentRequested
+from worker.core.codec import fingerprint
+from worker.ingress.serve import serve, serve_app
+from worker.settings import Settings, positive_float, positive_int
+from worker.sql.outbox import NOTIFY_RELAYS
+from worker.testing import scratch_database
+
+PATH = "/messages/payment.requested"
+CLIENTS = 50
+WARM_UP = 50
+"""Requests sent and answered before each measurement: connections, caches, prepared statements."""
+RATIO_TARGET = 0.8
+P99_TARGET_MS = 50.0
+LATENCY_CONNECTIONS = 200
+"""Connections the latency generator may open: enough that an offered request never waits for
+one while the server keeps up."""
+
+BASELINE_INSERT_REQUEST = """
+INSERT INTO ingress_requests (handler, key, routing_key, fingerprint, message_id)
+VALUES ('payment.requested', $1, 'payment.requested', $2, $3)
+ON CONFLICT (handler, key) DO NOTHING
+RETURNING message_id
+"""
+
+BASELINE_INSERT_EVENT = f"""
+INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers)
+SELECT $1, $2, 'payment.requested', $3, 'application/json',
+       jsonb_build_object('idempotency-key', $4::text)
+FROM (SELECT {NOTIFY_RELAYS}) AS notified
+"""
+
+
+@dataclass(frozen=True)
+class Options:
+    requests: int
+    clients: int
+    rate: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """``requests`` answered in ``seconds``, by status."""
+
+    requests: int
+    seconds: float
+    statuses: dict[int, int]
+
+    @property
+    def rate(self) -> float:
+        return self.statuses.get(202, 0) / self.seconds
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Delays from each request's deadline to its answer, in seconds, and the offering's span."""
+
+    delays: list[float]
+    offered_seconds: float
+    statuses: dict[int, int]
+
+
+@dataclass
+class Measured:
+    label: str
+    throughput: Throughput
+    latency: Latency
+
+
+def body_of(prefix: str, i: int) -> dict[str, Any]:
+    return {"payment_id": f"{prefix}-{i}", "account": f"acct-{i % 100}", "amount_cents": 100 + i}
+
+
+# -- the load generator, in a spawned process --------------------------------------------------
+
+
+def generate(url: str, mode: str, options: Options, prefix: str, results: Connection) -> None:
+    """Entry point of the load process: ``mode`` is ``throughput`` or ``latency``."""
+    if mode == "throughput":
+        results.send(asyncio.run(_throughput(url, options, prefix)))
+    else:
+        results.send(asyncio.run(_latency(url, options, prefix)))
+    results.close()
+
+
+async def _post(client: httpx.AsyncClient, prefix: str, i: int) -> int:
+    body = json.dumps(body_of(prefix, i)).encode()
+    headers = {"content-type": "application/json", "idempotency-key": f"{prefix}-{i}"}
+    return (await client.post(PATH, content=body, headers=headers)).status_code
+
+
+async def _throughput(url: str, options: Options, prefix: str) -> Throughput:
+    statuses: Counter[int] = Counter()
+    remaining = iter(range(options.requests))
+
+    async def client(own: httpx.AsyncClient) -> None:
+        for i in remaining:
+            statuses[await _post(own, prefix, i)] += 1
+
+    limits = httpx.Limits(max_connections=1)
+    clients = [httpx.AsyncClient(base_url=url, limits=limits) for _ in range(options.clients)]
+    async with contextlib.AsyncExitStack() as stack:
+        for each in clients:
+            await stack.enter_async_context(each)
+        await asyncio.gather(*(_post(c, f"{prefix}-warm", i) for i, c in enumerate(clients)))
+        started = time.perf_counter()
+        await asyncio.gather(*(client(each) for each in clients))
+        seconds = time.perf_counter() - started
+    return Throughput(options.requests, seconds, dict(statuses))
+
+
+async def _latency(url: str, options: Options, prefix: str) -> Latency:
+    count = max(1, round(options.rate * options.seconds))
+    limits = httpx.Limits(max_connections=LATENCY_CONNECTIONS)
+    statuses: Counter[int] = Counter()
+    delays: list[float] = []
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=30) as client:
+        await asyncio.gather(*(_post(client, f"{prefix}-warm", i) for i in range(WARM_UP)))
+
+        async def timed(i: int, deadline: float) -> None:
+            statuses[await _post(client, prefix, i)] += 1
+            delays.append(time.perf_counter() - deadline)
+
+        tasks = []
+        start = time.perf_counter() + 0.05
+        for i in range(count):
+            deadline = start + i / options.rate
+            await asyncio.sleep(max(0.0, deadline - time.perf_counter()))
+            tasks.append(asyncio.create_task(timed(i, deadline)))
+        offered = time.perf_counter() - start
+        await asyncio.gather(*tasks)
+    return Latency(delays, offered, dict(statuses))
+
+
+async def load(url: str, mode: str, options: Options, prefix: str) -> Any:
+    """Run the load generator in a spawned process and return what it measured."""
+    context = multiprocessing.get_context("spawn")
+    receiving, sending = context.Pipe(duplex=False)
+    process = context.Process(target=generate, args=(url, mode, options, prefix, sending))
+    process.start()
+    sending.close()
+    try:
+        return await asyncio.to_thread(receiving.recv)
+    finally:
+        await asyncio.to_thread(process.join, 30)
+
+
+# -- the servers --------------------------------------------------------------------------------
+
+
+def baseline_app(settings: Settings) -> FastAPI:
+    """The hand-written endpoint: FastAPI validates, asyncpg writes the request and its event."""
+    pool: list[asyncpg.Pool] = []
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        size = settings.ingress_pool_size
+        pool.append(await asyncpg.create_pool(settings.database_url, min_size=size, max_size=size))
+        try:
+            yield
+        finally:
+            await pool[0].close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post(PATH, status_code=202)
+    async def post(
+        body: PaymentRequested, idempotency_key: Annotated[str, Header()]
+    ) -> JSONResponse:
+        raw = body.model_dump_json().encode()
+        message_id = uuid.uuid4()
+        async with pool[0].acquire() as conn, conn.transaction():
+            inserted = await conn.fetchval(
+                BASELINE_INSERT_REQUEST, idempotency_key, fingerprint(body.model_dump()), message_id
+            )
+            if inserted is not None:
+                await conn.execute(
+                    BASELINE_INSERT_EVENT, message_id, settings.exchange, raw, idempotency_key
+                )
+        location = f"{PATH}/{idempotency_key}"
+        return JSONResponse(
+            {"status_url": location, "message_id": str(message_id)},
+            status_code=202,
+            headers={"Location": location},
+        )
+
+    return app
+
+
+Server = Callable[[asyncio.Event, Callable[[int], object]], Coroutine[Any, Any, None]]
+
+
+async def measure(label: str, settings: Settings, options: Options, server: Server) -> Measured:
+    """Start ``server`` on a free port, measure throughput then latency against it, stop it."""
+    stop = asyncio.Event()
+    port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    task = asyncio.create_task(server(stop, port.set_result))
+    try:
+        started: set[asyncio.Future[Any]] = {port, task}
+        await asyncio.wait(started, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            task.result()
+        url = f"http://127.0.0.1:{port.result()}"
+        await empty_tables(settings)
+        progress(f"({label}) {options.requests} requests, {options.clients} clients ...")
+        throughput = await load(url, "throughput", options, f"{label}-t")
+        await empty_tables(settings)
+        progress(f"({label}) {options.rate:g} req/s for {options.seconds:g} s ...")
+        latency = await load(url, "latency", options, f"{label}-l")
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 60)
+    return Measured(label, throughput, latency)
+
+
+async def empty_tables(settings: Settings) -> None:
+    conn = await asyncpg.connect(settings.database_url)
+    try:
+        await conn.execute("TRUNCATE ingress_requests, outbox")
+        await conn.execute("CHECKPOINT")
+    finally:
+        await conn.close()
+
+
+async def run(settings: Settings, options: Options) -> list[Measured]:
+    served = settings.replace(ingress_host="127.0.0.1", ingress_port=0)
+
+    async def ingress(stop: asyncio.Event, started: Callable[[int], object]) -> None:
+        await serve(served, payments_router, stop, started=started)
+
+    async def baseline(stop: asyncio.Event, started: Callable[[int], object]) -> None:
+        await serve_app(baseline_app(served), "127.0.0.1", 0, stop, started)
+
+    return [
+        await measure("ingress", served, options, ingress),
+        await measure("baseline", served, options, baseline),
+    ]
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def report(results: list[Measured], options: Options, settings: Settings) -> str:
+    lines = [
+        f"ingress, {options.requests} requests by {options.clients} clients; latency at "
+        f"{options.rate:g} req/s for {options.seconds:g} s; pool {settings.ingress_pool_size}, "
+        f"cpu count {os.cpu_count()}",
+        f"{'server':<10}{'accepted/s':>11}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}  statuses",
+    ]
+    for result in results:
+        ordered = sorted(1000 * d for d in result.latency.delays)
+        statuses = {**result.throughput.statuses}
+        for status, n in result.latency.statuses.items():
+            statuses[status] = statuses.get(status, 0) + n
+        lines.append(
+            f"{result.label:<10}{result.throughput.rate:>11.0f}{percentile(ordered, 50):>9.1f}"
+            f"{percentile(ordered, 99):>9.1f}{ordered[-1]:>9.1f}  {dict(sorted(statuses.items()))}"
+        )
+    ingress, baseline = results
+    ratio = ingress.throughput.rate / baseline.throughput.rate
+    p99 = percentile(sorted(1000 * d for d in ingress.latency.delays), 99)
+    lines += [
+        "",
+        f"ratio ingress/baseline {ratio:.2f}x   target >= {RATIO_TARGET:.1f}x   "
+        f"{'met' if ratio >= RATIO_TARGET else 'missed'}",
+        f"ingress p99 at {options.rate:g} req/s {p99:.1f} ms   target < {P99_TARGET_MS:g} ms   "
+        f"{'met' if p99 < P99_TARGET_MS else 'missed'}",
+    ]
+    nominal = (max(1, round(options.rate * options.seconds)) - 1) / options.rate
+    for result in results:
+        if result.latency.offered_seconds > 1.05 * nominal + 0.1:
+            lines.append(
+                f"({result.label}) the offered rate was not kept: offering took "
+                f"{result.latency.offered_seconds:.1f} s, not {nominal:.1f} s"
+            )
+        if any(status != 202 for status in result.throughput.statuses):
+            lines.append(f"({result.label}) some requests were not accepted")
+    return "\n".join(lines)
+
+
+def parse_options(argv: list[str] | None) -> Options:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.ingress",
+        description="The HTTP ingress against a hand-written endpoint, in one run.",
+    )
+    parser.add_argument("--requests", type=positive_int, help="requests timed (5000; 300 --quick)")
+    parser.add_argument("--clients", type=positive_int, default=CLIENTS, help="(50)")
+    parser.add_argument("--rate", type=positive_float, default=500.0, help="offered req/s (500)")
+    parser.add_argument("--seconds", type=positive_float, help="seconds offered (10; 1 --quick)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args(argv)
+    return Options(
+        requests=args.requests or (300 if args.quick else 5000),
+        clients=args.clients,
+        rate=args.rate,
+        seconds=args.seconds or (1.0 if args.quick else 10.0),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse_options(argv)
+    with scratch_database(Settings.load(), payments_router, prefix="worker_bench") as settings:
+        results = asyncio.run(run(settings, options))
+    print(report(results, options, settings))
+
+
+if __name__ == "__main__":
+    main()

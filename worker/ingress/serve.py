@@ -1,0 +1,131 @@
+"""``worker serve``: the ingress under uvicorn, in this process's event loop, until stopped.
+
+Invariant: a stop (SIGTERM or SIGINT, through ``worker.ops.cli``) is graceful. uvicorn stops
+accepting connections, closes idle keep-alive connections, and lets requests in flight finish
+their transactions for up to ``SHUTDOWN_GRACE`` seconds; then the process exits 0. uvicorn's own
+signal handling is left out, so the stop comes from the caller's event and the signal is not
+raised again after the shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable, Iterator
+
+import uvicorn
+from starlette.types import ASGIApp
+
+from worker import database, schema
+from worker.backoff import first, while_starting
+from worker.core.router import Router
+from worker.errors import ConfigurationError
+from worker.ingress.app import APPLICATION_NAME, create_app
+from worker.settings import Settings, redact
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE = 10
+"""Seconds requests in flight get after a stop. A request's transaction takes milliseconds; only
+a client still sending its body is cut off."""
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by its ``should_exit`` only (the caller handles the signals),
+    which sets ``listening`` once it listens."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.listening = asyncio.Event()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.listening.set()
+
+
+async def serve(
+    settings: Settings,
+    router: Router,
+    stop: asyncio.Event,
+    *,
+    started: Callable[[int], object] | None = None,
+) -> None:
+    """Serve the ingress on ``ingress_host``:``ingress_port`` until ``stop`` is set, then shut
+    down gracefully. ``started`` is called with the port bound (a free one for port 0) once it
+    listens. Raises ``ConfigurationError`` before listening when the database's schema is behind
+    the code."""
+    engine = database.create_engine(
+        settings, application_name=APPLICATION_NAME, pool_size=settings.ingress_pool_size
+    )
+    try:
+        await while_starting(log)(schema.require_current, engine, settings, router)
+
+        def listening(port: int) -> None:
+            log.info(
+                "serving the ingress for %s on http://%s:%d (database %s)",
+                ", ".join(router.routing_keys()),
+                settings.ingress_host,
+                port,
+                redact(settings.database_url),
+            )
+            if started is not None:
+                started(port)
+
+        app = create_app(settings, engine=engine, router=router)
+        await serve_app(app, settings.ingress_host, settings.ingress_port, stop, listening)
+    finally:
+        await engine.dispose()
+    log.info("the ingress stopped")
+
+
+async def serve_app(
+    app: ASGIApp,
+    host: str,
+    port: int,
+    stop: asyncio.Event,
+    started: Callable[[int], object] | None = None,
+) -> None:
+    """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no access log, no
+    ``Server`` header, forwarded headers not trusted) until ``stop`` is set, then shut down
+    gracefully; ``started`` gets the port bound once it listens."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        loop="none",
+        http="h11",
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        server_header=False,
+        proxy_headers=False,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE,
+    )
+    server = _Server(config)
+    task = asyncio.create_task(_serving(server), name="ingress")
+    await first(server.listening.wait(), asyncio.shield(task))
+    if server.started:
+        if started is not None:
+            started(int(server.servers[0].sockets[0].getsockname()[1]))
+        await first(stop.wait(), asyncio.shield(task))
+        server.should_exit = True
+    await task
+
+
+async def _serving(server: uvicorn.Server) -> None:
+    """``server.serve()``, whose failure to start (it calls ``sys.exit``: a port taken, the
+    application's startup refused) becomes a ``ConfigurationError`` instead of a ``SystemExit``
+    that would leave the event loop at once."""
+    try:
+        await server.serve()
+    except SystemExit as exc:
+        raise ConfigurationError(
+            f"the ingress did not start (uvicorn exited with {exc.code}): see the log above"
+        ) from None
