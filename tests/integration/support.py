@@ -36,6 +36,8 @@ from examples.orders import router as orders_router
 from examples.orders.tables import metadata as orders_metadata
 from examples.payments import router as payments_router
 from examples.payments.tables import metadata as payments_metadata
+from examples.shop import router as shop_router
+from examples.shop.tables import metadata as shop_metadata
 from tests.helpers import rows, scalar, wait_until, worker_environ
 from worker import Router, schema
 from worker.ops import runner
@@ -332,17 +334,25 @@ TEST_RETRY_DELAYS = (0.1, 0.2)
 """Tests that set other ``retry_delays`` delete their retry queues themselves."""
 
 
-TABLES = (*tables.metadata.tables, *payments_metadata.tables, *orders_metadata.tables)
+TABLES = (
+    *tables.metadata.tables,
+    *payments_metadata.tables,
+    *orders_metadata.tables,
+    *shop_metadata.tables,
+)
 
 
 EXAMPLES = Router()
-"""Both example handler modules, whose tables every test database has."""
+"""The example handler modules, whose tables every test database has."""
 
 
 EXAMPLES.include(payments_router)
 
 
 EXAMPLES.include(orders_router)
+
+
+EXAMPLES.include(shop_router)
 
 
 def require_services() -> None:
