@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterable
@@ -51,6 +52,14 @@ async def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def worker_environ(settings: Settings, **extra: str) -> dict[str, str]:

@@ -152,6 +152,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _handler_list(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of names, blanks dropped."""
     return tuple(part.strip() for part in raw.split(",") if part.strip())
 
 
@@ -434,6 +435,13 @@ class Settings:
         "each at least 16 characters); none: no authentication. Prefer the variable to the "
         "flag, which other users of the host can read",
         secret=True,
+    )
+    ingress_routing_keys: tuple[str, ...] = setting(
+        (),
+        _handler_list,
+        Group.INGRESS,
+        "comma-separated routing keys the ingress accepts messages for; none: every routing key "
+        "the handler modules serve (internal events included)",
     )
     ingress_pool_size: int = setting(
         10,

@@ -183,6 +183,35 @@ async def test_an_unknown_routing_key_is_404(settings: Settings, engine: AsyncEn
     assert await nothing_stored(engine)
 
 
+async def test_the_ingress_serves_only_the_routing_keys_it_is_given(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given an ingress that exposes payment.requested only, not the internal payment.settled
+    async with ingress(settings, ingress_routing_keys=("payment.requested",)) as client:
+        settled = await client.post(
+            "/messages/payment.settled",
+            json={**payment("p1"), "balance_cents": 100},
+            headers=keyed("k1"),
+        )
+        requested = await client.post(REQUESTED, json=payment("p2"), headers=keyed("k2"))
+        paths = set((await client.get("/openapi.json")).json()["paths"])
+
+    # Then the internal event is unknown there, while the public one is accepted
+    assert is_problem(settled, 404, "no-handler"), settled.text
+    assert requested.status_code == 202, requested.text
+    assert REQUESTED in paths
+    assert not any(path.startswith("/messages/payment.settled") for path in paths)
+    assert await count(engine, "ingress_requests") == 1
+
+
+async def test_a_listed_routing_key_no_handler_serves_stops_the_ingress_at_start(
+    settings: Settings,
+) -> None:
+    with pytest.raises(ConfigurationError, match=r"'no\.such'"):
+        async with ingress(settings, ingress_routing_keys=("no.such",)):
+            pass
+
+
 @pytest.mark.parametrize(
     ("body", "status", "reason"),
     [

@@ -15,15 +15,9 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
-from tests.helpers import payment, wait_until
+from tests.helpers import free_port, payment, wait_until
 from tests.integration.support import publish, request, running_worker, settled
 from worker.settings import Settings
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def get(url: str) -> tuple[int, bytes]:

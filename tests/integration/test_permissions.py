@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -35,7 +34,7 @@ from aiormq.exceptions import (
 )
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 from tests.integration.support import BASE, running_worker
 from worker import Context, Permanent, Retryable, Router
 from worker.ops import dlq
@@ -303,13 +302,6 @@ async def test_the_worker_runs_its_failure_path_with_the_worker_users_rights(
 
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 """The server script itself (``/usr/sbin``'s wrapper would run it as another user)."""
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @contextlib.contextmanager

@@ -3,23 +3,19 @@ name ``rabbit-outbox-worker``, and nothing else (no top-level ``examples``).
 
 It really builds and installs: the project's sources are copied, installed without build
 isolation or an index (offline; setuptools comes from the test environment) into a fresh
-virtualenv, and the result is imported from a directory that holds no sources. The fresh
-virtualenv reaches the test environment's dependencies through a ``.pth`` file; that directory's
-own ``.pth`` files (the editable install of this checkout among them) are not processed.
+virtualenv, and the result is imported from a directory that holds no sources (``tests.venvs``:
+the fresh virtualenv reaches the test environment's dependencies through a ``.pth`` file).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import site
-import subprocess
-import sys
-import sysconfig
 import tomllib
 from pathlib import Path
 
 import pytest
+
+from tests.venvs import copy_tree, fresh_venv, pip_install, run
 
 pytestmark = pytest.mark.packaging
 
@@ -29,37 +25,13 @@ DIST_NAME = "rabbit-outbox-worker"
 SOURCES = ("pyproject.toml", "README.md", "worker", "examples")
 
 
-def run(*argv: str | Path, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(a) for a in argv], capture_output=True, text=True, cwd=cwd, timeout=150, check=False
-    )
-
-
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The python of a fresh virtualenv into which ``pip install .`` installed the project."""
     base = tmp_path_factory.mktemp("packaging")
-    source = base / "source"
-    for name in SOURCES:
-        if (ROOT / name).is_dir():
-            shutil.copytree(
-                ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__")
-            )
-        else:
-            source.mkdir(exist_ok=True)
-            shutil.copy2(ROOT / name, source / name)
-    venv = base / "venv"
-    created = run(sys.executable, "-m", "venv", "--without-pip", venv, cwd=base)
-    assert created.returncode == 0, created.stderr
-    python = venv / "bin" / "python"
-    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=base)
-    dependencies = {sysconfig.get_path("purelib"), *site.getsitepackages()}
-    (Path(purelib.stdout.strip()) / "test-dependencies.pth").write_text(
-        "\n".join(sorted(dependencies)) + "\n"
-    )
-    pip = (sys.executable, "-m", "pip", "--python", python, "install", "--quiet")
-    result = run(*pip, "--no-deps", "--no-build-isolation", "--no-index", source, cwd=base)
-    assert result.returncode == 0, result.stdout + result.stderr
+    source = copy_tree(ROOT, SOURCES, base / "source")
+    python = fresh_venv(base / "venv")
+    pip_install(python, source)
     return python
 
 

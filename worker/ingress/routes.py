@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from http import HTTPStatus
 from urllib.parse import quote
 
@@ -66,7 +66,7 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
         else []
     )
     api = APIRouter(tags=["messages"])
-    for handler in sorted(router.handlers(), key=lambda handler: handler.routing_key):
+    for handler in exposed(router, settings.ingress_routing_keys):
         routing_key = servable(handler.routing_key)
         api.add_api_route(
             f"/messages/{routing_key}",
@@ -97,6 +97,20 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
         "/messages/{routing_key}/{key:path}", unknown, methods=["GET"], include_in_schema=False
     )
     return api
+
+
+def exposed(router: Router, routing_keys: Sequence[str]) -> list[Handler]:
+    """The handlers the ingress serves, by routing key: those of ``routing_keys`` (every one of
+    ``router``'s when empty); a ``ConfigurationError`` for a listed key no handler serves."""
+    if not routing_keys:
+        return sorted(router.handlers(), key=lambda handler: handler.routing_key)
+    unknown = [key for key in routing_keys if router.find(key) is None]
+    if unknown:
+        raise ConfigurationError(
+            f"ingress_routing_keys names {', '.join(map(repr, unknown))}, which no handler "
+            f"module serves (they serve: {', '.join(router.routing_keys()) or 'nothing'})"
+        )
+    return [handler for key in sorted(set(routing_keys)) if (handler := router.find(key))]
 
 
 def servable(routing_key: str) -> str:
