@@ -2,8 +2,9 @@
 
 Every setting is declared once, as a field of ``Settings`` made by ``setting``: its type, default,
 parser, group and help together. ``FIELDS`` derives from those declarations, and the CLI's flags,
-each command's help and the README's settings table derive from ``FIELDS``, so the environment,
-the flags and the documentation cannot drift apart.
+each command's help and the documentation's settings table (``docs/configuration.md``, generated
+when the site is built) derive from ``FIELDS``, so the environment, the flags and the
+documentation cannot drift apart.
 """
 
 from __future__ import annotations

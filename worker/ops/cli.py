@@ -160,8 +160,9 @@ def _add_settings(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def settings_table() -> str:
-    """The README's settings table, between its ``settings:begin`` and ``settings:end``
-    markers: a row per setting, in declaration order, with the commands that take its flag."""
+    """The settings table of the documentation's configuration page (inserted by ``docs/hooks.py``
+    when the site is built): a row per setting, in declaration order, with the commands that take
+    its flag."""
     rows = [
         "| variable | flag | default | flag of | meaning |",
         "|---|---|---|---|---|",

@@ -1,0 +1,125 @@
+"""The documentation site (``mkdocs.yml``, ``docs/``) builds with ``--strict``: a broken link or
+anchor, a page missing from the nav, a file the getting-started page includes that is gone, or a
+generated section whose marker was removed fails the test command, not a reader.
+
+The build runs offline with the venv's MkDocs (the test extra) into a temporary directory. Its
+generated sections (``docs/hooks.py``) come from the code: the settings table from
+``worker.ops.cli.settings_table()``, the commands from the argparse parser, the payments
+example's AsyncAPI document from ``worker.ops.asyncapi.document``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from worker.ops.cli import READS, build_parser
+from worker.settings import FIELDS
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+INVENTORY = DOCS / "getting-started" / "inventory"
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built by ``mkdocs build --strict``; fails on any warning."""
+    out = tmp_path_factory.mktemp("site")
+    built = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,  # the snippets' base_path is relative to the repository's root
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # Material's banner, not a warning
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    output = built.stdout + built.stderr
+    assert built.returncode == 0, f"mkdocs build --strict failed:\n{output}"
+    assert "WARNING" not in output, output
+    return out
+
+
+def page(site: Path, name: str) -> str:
+    """The text of a built page, tags stripped and entities decoded."""
+    text = (site / name / "index.html").read_text()
+    return html.unescape(re.sub(r"<[^>]+>", "", text))
+
+
+def test_the_site_builds_strictly(site: Path) -> None:
+    assert (site / "index.html").is_file()
+    assert (site / "search" / "search_index.json").is_file()
+
+
+def test_the_configuration_page_shows_every_setting(site: Path) -> None:
+    source = (DOCS / "configuration.md").read_text()
+    assert source.count("<!-- generated: settings -->") == 1
+    assert "| `WORKER_" not in source, "the settings table is generated: keep only its marker"
+    shown = page(site, "configuration")
+    missing = [spec.env for spec in FIELDS if spec.env not in shown]
+    assert not missing, f"settings missing from the built configuration page: {missing}"
+
+
+def test_the_cli_page_shows_every_command(site: Path) -> None:
+    source = (DOCS / "cli.md").read_text()
+    for marker in ("<!-- generated: commands -->", "<!-- generated: command-reference -->"):
+        assert source.count(marker) == 1, f"the CLI page needs one {marker}"
+    shown = page(site, "cli")
+    missing = [f"worker {command}" for command in READS if f"worker {command}" not in shown]
+    assert not missing, f"commands missing from the built CLI page: {missing}"
+    help_of = {  # each command's one-line help, as argparse holds it
+        choice.dest: choice.help
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for choice in action._choices_actions
+    }
+    assert help_of["run"]
+    assert help_of["run"] in shown
+    assert "--dry-run" in shown
+    assert "--capture-queue" in shown
+
+
+def test_the_payments_asyncapi_document_is_shown(site: Path) -> None:
+    shown = page(site, "handlers")
+    for text in ('"asyncapi": "3.0.0"', '"payment.requested"', '"payment.settled"'):
+        assert text in shown
+
+
+def test_the_getting_started_page_includes_every_file_of_the_tested_package() -> None:
+    """The inventory package is built and tested on its own; the page shows its files through
+    snippets (the build fails on a missing one), and must show all of them."""
+    source = (DOCS / "getting-started.md").read_text()
+    included = set(re.findall(r'^--8<-- "([^"]+)"$', source, flags=re.MULTILINE))
+    assert included, "the getting-started page includes no file of the inventory package"
+    files = {
+        path.relative_to(INVENTORY).as_posix()
+        for pattern in ("*.py", "*.toml", "*.ini")
+        for path in INVENTORY.rglob(pattern)
+        if not any(part.startswith(".") or part == "__pycache__" for part in path.parts)
+        and path.name != "__init__.py"
+    }
+    assert files, f"no package at {INVENTORY}"
+    assert not files - included, f"files of the package the page leaves out: {files - included}"
+
+
+def test_nothing_is_fetched_from_the_internet(site: Path) -> None:
+    """No web fonts or scripts from elsewhere: the site reads offline, as it builds."""
+    for path in site.rglob("*.html"):
+        text = path.read_text()
+        assert "fonts.googleapis.com" not in text, path
+        assert "fonts.gstatic.com" not in text, path
+        assert not re.search(r'<script[^>]+src="https?://', text), path
+
+
+def test_the_readme_links_only_to_files_that_exist() -> None:
+    readme = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\((?!https?://|#)([^)#\s]+)(?:#[^)]*)?\)", readme)
+    gone = sorted({t for t in targets if not (ROOT / t).exists()})
+    assert not gone, f"the README links to files that do not exist: {gone}"
