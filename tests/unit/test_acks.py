@@ -3,6 +3,7 @@ record what they were sent (the consumer tests cover real channels)."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from worker.transport.acks import Settlements
@@ -75,3 +76,38 @@ async def test_channels_are_counted_apart() -> None:
     await settlements.ack([*deliveries(old, 1, 2), *deliveries(new, 1, 2)])  # type: ignore[list-item]
     assert old.sent == [("ack", 2, True)]
     assert new.sent == [("ack", 2, True)]
+
+
+@dataclass
+class HeldDelivery(Delivery):
+    """A delivery whose ack is written (recorded) at once but completes only when ``held`` is
+    set, as an ack waits for the client's writer."""
+
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def ack(self, multiple: bool = False) -> None:
+        await super().ack(multiple)
+        await self.held.wait()
+
+
+async def test_the_single_acks_of_a_call_go_out_together_and_the_next_call_waits_for_them() -> None:
+    # Given tags 1-3 settled, and 5-7 committed while 4 is still running
+    channel, settlements = Channel(), Settlements()
+    await settlements.ack(deliveries(channel, 1, 2, 3))  # type: ignore[arg-type]
+    written = asyncio.Event()
+    singles = [HeldDelivery(channel, tag, held=written) for tag in (5, 6, 7)]
+
+    # When 5-7 are acked: each alone, all sent before any has been written
+    acking = asyncio.create_task(settlements.ack(singles))  # type: ignore[arg-type]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert channel.sent[1:] == [("ack", 5, False), ("ack", 6, False), ("ack", 7, False)]
+
+    # Then a later call, which could cover them with a multiple-ack, waits until they are written
+    later = asyncio.create_task(settlements.ack(deliveries(channel, 4, 8)))  # type: ignore[arg-type]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert len(channel.sent) == 4
+    written.set()
+    await asyncio.gather(acking, later)
+    assert channel.sent[4:] == [("ack", 8, True)]

@@ -6,7 +6,11 @@ for a run that starts at the channel's lowest tag not yet settled and in which e
 either being acked now (its transaction committed) or was settled before. A tag it never saw
 (a delivery the client dropped, e.g. one that arrived for a cancelled consumer) breaks the run,
 so a multiple-ack can never settle a delivery nobody processed. Any other delivery is settled on
-its own. Settlements are issued one at a time, in order, so none overtakes another.
+its own. Settlements are issued one call at a time, in order: a call's multiple-ack is written
+before its single acks, and all of them before the next call's first, so none overtakes another.
+The single acks of one call are sent together rather than each after the last was written: each
+settles only its own tag, which no other settlement of the call covers, so their order is free
+(a batch committed above a delivery still in flight has every tag acked alone).
 """
 
 from __future__ import annotations
@@ -80,9 +84,11 @@ class Settlements:
                     sent += 1
                     for tag in run:
                         del ready[tag]
-                for tag, message in sorted(ready.items()):
+                for tag in ready:
                     state.settled(tag)
-                    await _issue(message.ack())
+                await asyncio.gather(
+                    *(_issue(message.ack()) for _, message in sorted(ready.items()))
+                )
         return sent
 
     async def ack_one(self, message: AbstractIncomingMessage) -> None:
