@@ -4,6 +4,7 @@ record what they were sent (the consumer tests cover real channels)."""
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.transport.acks import Settlements
@@ -111,3 +112,68 @@ async def test_the_single_acks_of_a_call_go_out_together_and_the_next_call_waits
     written.set()
     await asyncio.gather(acking, later)
     assert channel.sent[4:] == [("ack", 8, True)]
+
+
+def receiving(channel: Channel, settlements: Settlements, *tags: int) -> list[Delivery]:
+    """Deliveries the consumer received (and so will settle), in the order given."""
+    received = deliveries(channel, *tags)
+    for delivery in received:
+        settlements.received(delivery)  # type: ignore[arg-type]
+    return received
+
+
+async def test_acks_above_a_delivery_in_flight_wait_and_go_out_with_it_in_one_multiple_ack() -> (
+    None
+):
+    # Given tags 1-6 received, 1-2 committed and acked
+    stats: Counter[str] = Counter()
+    channel, settlements = Channel(), Settlements(hold=10, stats=stats)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4, 5, 6)}
+    assert await settlements.ack([d[1], d[2]]) == 1  # type: ignore[list-item]
+    # When 4 and 5 commit while 3 is still in flight, Then their acks wait
+    assert await settlements.ack([d[5], d[4]]) == 0  # type: ignore[list-item]
+    assert channel.sent == [("ack", 2, True)]
+    # And when 3 commits, one multiple-ack settles 3-5; 6, in flight, is not covered
+    assert await settlements.ack([d[3]]) == 1  # type: ignore[list-item]
+    assert channel.sent == [("ack", 2, True), ("ack", 5, True)]
+    assert stats["multiple_acks"] == 2
+
+
+async def test_a_requeued_delivery_below_waiting_acks_lets_them_go() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    first, second, third = receiving(channel, settlements, 1, 2, 3)
+    await settlements.ack([second, third])  # type: ignore[list-item]
+    await settlements.requeue(first)  # type: ignore[arg-type]
+    assert channel.sent == [("nack", 1, False), ("ack", 3, True)]
+
+
+async def test_no_ack_waits_behind_a_delivery_the_client_dropped() -> None:
+    # Given tag 2 never received (dropped by the client), 1, 3 and 4 received
+    channel, settlements = Channel(), Settlements(hold=10)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 3, 4)}
+    # When 3 and 4 commit, Then they are acked alone at once: nothing will settle 2
+    await settlements.ack([d[3], d[4]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 3, False), ("ack", 4, False)]
+
+
+async def test_at_most_hold_acks_wait() -> None:
+    channel, settlements = Channel(), Settlements(hold=2)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4)}
+    await settlements.ack([d[2], d[3]])  # type: ignore[list-item]
+    assert channel.sent == []
+    await settlements.ack([d[4]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False), ("ack", 4, False)]
+
+
+async def test_flush_acks_every_waiting_delivery_alone() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    _, second, third = receiving(channel, settlements, 1, 2, 3)
+    await settlements.ack([second, third])  # type: ignore[list-item]
+    await settlements.flush()
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False)]
+
+
+async def test_deliveries_never_reported_received_do_not_wait() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    await settlements.ack(deliveries(channel, 2, 3))  # type: ignore[arg-type]
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False)]

@@ -195,7 +195,8 @@ class Consumer:
         self.engine = engine
         self.connection = connection
         self.stats: Counter[str] = self.metrics.tally.stats
-        self.settlements = Settlements()
+        # half the prefetch window may wait for a multiple-ack behind deliveries still in flight
+        self.settlements = Settlements(hold=settings.prefetch // 2, stats=self.stats)
         self._pending: list[AbstractIncomingMessage] = []
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
@@ -304,6 +305,7 @@ class Consumer:
         for taker in self._takers:
             taker.cancel()
         await asyncio.gather(*self._takers, return_exceptions=True)
+        await self.settlements.flush()  # what they wait for was never taken: it will not settle
         if self._channel is not None and not self._channel.is_closed:
             await self._channel.close()  # deliveries never taken go back to the queue
 
@@ -325,6 +327,7 @@ class Consumer:
                 log.debug("cancelling the consumer failed", exc_info=True)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self.settlements.received(message)
         self._pending.append(message)
         self._arrived.set()
 
@@ -451,9 +454,7 @@ class Consumer:
         for _, envelope, outcome in after.committed:
             self._count(envelope, outcome)
         self.stats["batches"] += 1
-        self.stats["multiple_acks"] += await self.settlements.ack(
-            [message for message, _, _ in after.committed]
-        )
+        await self.settlements.ack([message for message, _, _ in after.committed])
         if after.isolated:
             log.info(
                 "%d of a batch of %d failed in it and were taken out; the others committed",
