@@ -156,13 +156,18 @@ async def test_no_ack_waits_behind_a_delivery_the_client_dropped() -> None:
     assert channel.sent == [("ack", 3, False), ("ack", 4, False)]
 
 
-async def test_at_most_hold_acks_wait() -> None:
+async def test_at_most_hold_acks_wait_the_highest_others_go_alone() -> None:
+    # Given room for two acks to wait, and 2-3 committed while 1 is in flight
     channel, settlements = Channel(), Settlements(hold=2)
-    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4)}
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4, 5)}
     await settlements.ack([d[2], d[3]])  # type: ignore[list-item]
     assert channel.sent == []
+    # When 4 commits too, Then the highest one past the two is acked alone
     await settlements.ack([d[4]])  # type: ignore[list-item]
-    assert channel.sent == [("ack", 2, False), ("ack", 3, False), ("ack", 4, False)]
+    assert channel.sent == [("ack", 4, False)]
+    # And when 1 commits, one multiple-ack settles 1-3 (4 was settled already)
+    await settlements.ack([d[1]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 4, False), ("ack", 3, True)]
 
 
 async def test_flush_acks_every_waiting_delivery_alone() -> None:

@@ -10,10 +10,11 @@ so a multiple-ack can never settle a delivery nobody processed.
 A committed delivery above the run may wait (it is *held*) while every unsettled delivery below
 it is one this consumer received (``received``) and so will settle: a culprit being parked, the
 other consumer task's batch. Once those are settled, one multiple-ack settles the held ones with
-them. At most ``hold`` deliveries of a channel are held, never past a delivery the client
-dropped, and ``flush`` acks all of them (the consumer stops: what is below them will not be
-settled); any other committed delivery is acked on its own. An ack is still sent only after the
-commit; holding it only delays it.
+them. At most ``hold`` deliveries of a channel are held (past that, the highest are acked on
+their own: a later run goes on through them), never past a delivery the client dropped, and
+``flush`` acks all of them (the consumer stops: what is below them will not be settled); any
+other committed delivery is acked on its own. An ack is still sent only after the commit;
+holding it only delays it, never past the settling of what is below it.
 
 Settlements are issued one call at a time, in order: a call's multiple-ack is written before its
 single acks, and all of them before the next call's first, so none overtakes another. The single
@@ -71,11 +72,9 @@ class _Channel:
             tag += 1
         return run
 
-    def may_hold(self, most: int) -> bool:
-        """True while the held deliveries (at most ``most``) may wait for a multiple-ack: every
-        unsettled tag below them was received, so it will be settled here."""
-        if not 0 < len(self.held) <= most:
-            return False
+    def may_wait(self) -> bool:
+        """True while the held deliveries may wait for a multiple-ack: every unsettled tag below
+        them was received, so it will be settled here."""
         top = max(self.held)
         return top <= self.received and not any(self.floor <= t < top for t in self.dropped)
 
@@ -138,7 +137,7 @@ class Settlements:
         async with self._issuing:
             self._forget_closed()
             for state in list(self._channels.values()):
-                await self._ack_alone(state)
+                await self._ack_alone(state, len(state.held))
 
     async def _nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
         async with self._issuing:
@@ -165,8 +164,10 @@ class Settlements:
             await _issue(last.ack(multiple=True) if len(run) > 1 else last.ack())
             sent = int(len(run) > 1)
             self._stats["multiple_acks"] += sent
-        if state.held and not state.may_hold(self._hold):
-            await self._ack_alone(state)
+        if state.held and not state.may_wait():
+            await self._ack_alone(state, len(state.held))
+        elif len(state.held) > self._hold:  # the highest: the run will go on through them
+            await self._ack_alone(state, len(state.held) - self._hold)
         return sent
 
     def _forget_closed(self) -> None:
@@ -176,12 +177,13 @@ class Settlements:
             if state.held and getattr(channel, "is_closed", False):
                 state.held.clear()
 
-    async def _ack_alone(self, state: _Channel) -> None:
-        held = sorted(state.held.items())
-        state.held.clear()
-        for tag, _ in held:
+    async def _ack_alone(self, state: _Channel, count: int) -> None:
+        """Ack the ``count`` highest held deliveries of ``state``'s channel, each on its own."""
+        alone = sorted(state.held.items())[-count:] if count > 0 else []
+        for tag, _ in alone:
             state.settled(tag)
-        await asyncio.gather(*(_issue(message.ack()) for _, message in held))
+            del state.held[tag]
+        await asyncio.gather(*(_issue(message.ack()) for _, message in alone))
 
 
 def _channel_of(message: AbstractIncomingMessage) -> Any:

@@ -195,8 +195,7 @@ class Consumer:
         self.engine = engine
         self.connection = connection
         self.stats: Counter[str] = self.metrics.tally.stats
-        # half the prefetch window may wait for a multiple-ack behind deliveries still in flight
-        self.settlements = Settlements(hold=settings.prefetch // 2, stats=self.stats)
+        self.settlements = Settlements(hold=self.ack_hold, stats=self.stats)
         self._pending: list[AbstractIncomingMessage] = []
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
@@ -272,6 +271,13 @@ class Consumer:
             self.batch_size,
         )
         return self._topology
+
+    @property
+    def ack_hold(self) -> int:
+        """Committed deliveries whose acks may wait for a multiple-ack behind deliveries still in
+        flight (``acks``): what the prefetch window holds beyond a batch in flight per consumer
+        task and one more waiting to be taken, so that holding them never starves a task."""
+        return max(0, self.settings.prefetch - (self.settings.concurrency + 1) * self.batch_size)
 
     @property
     def batch_size(self) -> int:
