@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
@@ -115,6 +116,37 @@ async def test_two_plain_culprits_are_both_taken_out(engine: AsyncEngine) -> Non
 
     assert [isinstance(end, Isolated) for end in ends] == [False, True, False, True, False]
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 3
+    assert await accounts(engine) == {
+        f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 3, 5)
+    }
+
+
+async def test_a_run_again_after_a_rollback_starts_from_the_same_savepoint(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch whose plain handler fails on two of five messages, and the statements sent
+    sent: list[str] = []
+    execute = asyncpg.Connection.execute
+
+    async def recording(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(query)
+        return await execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", recording)
+    calls: list[Any] = []
+    router = notes_router(calls, fail_on={2, 4})
+    batch = [envelope(router, "note", n, f"k{n}") for n in (1, 2, 3, 4, 5)]
+
+    ends = await process_batch(engine, batch, UNIT)
+
+    # Then three runs were made from one savepoint: a rollback to it leaves it in place
+    assert [isinstance(end, Isolated) for end in ends] == [False, True, False, True, False]
+    assert calls == [1, 2, 1, 3, 4, 1, 3, 5]
+    assert [q for q in sent if "SAVEPOINT" in q] == [
+        "SAVEPOINT worker_handlers",
+        "ROLLBACK TO SAVEPOINT worker_handlers",
+        "ROLLBACK TO SAVEPOINT worker_handlers",
+    ]
     assert await accounts(engine) == {
         f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 3, 5)
     }
