@@ -182,3 +182,12 @@ async def test_deliveries_never_reported_received_do_not_wait() -> None:
     channel, settlements = Channel(), Settlements(hold=10)
     await settlements.ack(deliveries(channel, 2, 3))  # type: ignore[arg-type]
     assert channel.sent == [("ack", 2, False), ("ack", 3, False)]
+
+
+async def test_a_delivery_received_late_is_no_longer_taken_for_dropped() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 3, 2, 4)}
+    await settlements.ack([d[3], d[4]])  # type: ignore[list-item]
+    assert channel.sent == []  # 1 and 2 were received: 3 and 4 wait for them
+    await settlements.ack([d[1], d[2]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 4, True)]

@@ -58,6 +58,7 @@ class _Channel:
     def arrived(self, tag: int) -> None:
         if tag > self.received + 1:
             self.dropped.update(range(self.received + 1, tag))
+        self.dropped.discard(tag)  # (one that came late, after a higher one)
         self.received = max(self.received, tag)
 
     def run(self, ready: Iterable[int]) -> list[int]:
