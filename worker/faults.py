@@ -29,6 +29,14 @@ not yet run again without the culprit, and nothing has committed."""
 CONSUMER_AFTER_COMMIT = "consumer.after_commit"
 """The unit of work committed; the delivery has not been acked."""
 
+FAILURES_PARKED = "failures.parked"
+"""The broker confirmed the dead-letter copies of deliveries being parked; their keys are not
+recorded as failed yet, and the deliveries are not acked."""
+
+FAILURES_RECORDED = "failures.recorded"
+"""The keys of parked deliveries are recorded as failed (committed); the deliveries are not
+acked yet."""
+
 RELAY_MID_BATCH = "relay.mid_batch"
 """A row of the relay's batch was confirmed by the broker; others may not be, none is deleted."""
 
@@ -43,6 +51,8 @@ POINTS = (
     UNIT_OF_WORK_BEFORE_COMMIT,
     UNIT_OF_WORK_ISOLATING,
     CONSUMER_AFTER_COMMIT,
+    FAILURES_PARKED,
+    FAILURES_RECORDED,
     RELAY_MID_BATCH,
     RELAY_AFTER_PUBLISH,
     CONSUMER_DRAINING,

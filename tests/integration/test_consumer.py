@@ -3,7 +3,10 @@ commit, and every bad message parked in the dead-letter queue with its reason.""
 
 from __future__ import annotations
 
+import asyncio
 import random
+import subprocess
+from collections import Counter
 from typing import Any
 
 import aio_pika
@@ -169,3 +172,57 @@ async def test_topology_is_declared_idempotently_and_bound_per_handler(
         with pytest.raises(aio_pika.exceptions.PublishError):
             await exchange.publish(Message(b"{}"), routing_key="nobody.listens")
         await channel.get_queue(settings.dead_letter_queue)
+
+
+async def unacked(queue: str) -> int:
+    """Deliveries of ``queue`` the broker counts as unacknowledged."""
+    listing = await asyncio.to_thread(
+        subprocess.run,
+        ["rabbitmqctl", "-q", "list_queues", "name", "messages_unacknowledged"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    counts = dict(line.split("\t") for line in listing.stdout.splitlines())
+    return int(counts[queue])
+
+
+async def test_acks_held_behind_a_delivery_in_flight_are_sent_when_the_worker_stops(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given a handler that holds the first delivery in its transaction until told, and a worker
+    # running one message per transaction on two consumer tasks
+    router = Router()
+    release = asyncio.Event()
+
+    @router.handler("gate")
+    async def gate(body: str, ctx: Context) -> None:
+        if body == "wait":
+            await release.wait()
+
+    quick = settings.replace(batch_size=1, concurrency=2, shutdown_grace=0.5, relay=False)
+    async with running_worker(quick, router) as worker:
+        channel = await amqp.channel(publisher_confirms=True)
+        await publish(channel, settings, "wait", key="k-wait", routing_key="gate")
+        for n in range(5):
+            await publish(channel, settings, f"go-{n}", key=f"k{n}", routing_key="gate")
+
+        # When the five after it commit while it is still in flight
+        await wait_until(lambda: _at_least(worker.stats, "processed", 5))
+
+        # Then their acks wait for it (one multiple-ack would settle them with it)
+        assert await unacked(settings.queue) == 6
+
+        # And when the worker stops before it ends (rolled back after the grace period)
+        await worker.shutdown()
+    release.set()
+
+    # Then the five were acked on the way out: only the one rolled back is queued again
+    assert worker.stats["processed"] == 5
+    assert await ready_messages(channel, settings.queue) == 1
+    assert await unacked(settings.queue) == 0
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE handler = 'gate'") == 5
+
+
+async def _at_least(stats: Counter[str], name: str, count: int) -> bool:
+    return stats[name] >= count

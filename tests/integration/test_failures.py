@@ -21,6 +21,7 @@ from tests.helpers import (
     WORKER_SCRIPT,
     broker_depth,
     payment,
+    rows,
     run,
     scalar,
     wait_until,
@@ -41,6 +42,8 @@ from worker import Context, Permanent, Retryable, Router
 from worker.errors import is_transient
 from worker.ops import dlq
 from worker.settings import Settings
+from worker.sql.inbox import record_failures
+from worker.sql.rows import MAX_ATTEMPTS, KeyClaim
 from worker.transport.dead_letters import copy_of
 
 ROUTING_KEY = "flaky.job"
@@ -406,3 +409,47 @@ async def test_worker_dlq_list_and_replay_from_the_command_line(
     assert (await inbox(engine, "k-cli-2")).status == "completed"
     assert (await inbox(engine, "k-cli-1")).status == "failed"
     assert [p.key for p in await dlq.list_parked(amqp, settings)] == ["k-cli-1"]
+
+
+async def test_failed_keys_are_recorded_in_one_statement_never_over_a_completed_effect(
+    engine: AsyncEngine,
+) -> None:
+    # Given a completed key, a key recorded failed once before (2 attempts), and a new key
+    def claim(key: str) -> KeyClaim:
+        return KeyClaim(ROUTING_KEY, key, b"fingerprint", f"m-{key}", ROUTING_KEY)
+
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO inbox (handler, key, fingerprint, status, attempts, routing_key) "
+                "VALUES (:h, 'k-done', 'x', 'completed', 1, :h), "
+                "(:h, 'k-again', 'x', 'failed', 2, :h)"
+            ),
+            {"h": ROUTING_KEY},
+        )
+
+    # When the three are recorded as failed together, the new one given twice
+    async with engine.begin() as conn:
+        await record_failures(
+            conn,
+            [
+                (claim("k-new"), "first error", 1),
+                (claim("k-done"), "too late", 1),
+                (claim("k-again"), "failed again", MAX_ATTEMPTS),
+                (claim("k-new"), "last error", 1),
+            ],
+        )
+
+    # Then the completed effect stands, the others are failed once each, attempts added up to
+    # the cap, and a key given twice holds its last error
+    recorded = await rows(
+        engine,
+        "SELECT key, status, error, attempts, message_id FROM inbox WHERE handler = :h "
+        "ORDER BY key",
+        h=ROUTING_KEY,
+    )
+    assert [tuple(row) for row in recorded] == [
+        ("k-again", "failed", "failed again", MAX_ATTEMPTS, None),
+        ("k-done", "completed", None, 1, None),
+        ("k-new", "failed", "last error", 1, "m-k-new"),
+    ]

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
@@ -18,7 +20,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
 from tests.helpers import broker_depth, envelope, payment, rows, scalar, wait_until
-from tests.integration.support import running_worker, wait_for_consumer, worker_process
+from tests.integration.support import (
+    dead_letters,
+    running_worker,
+    wait_for_consumer,
+    worker_process,
+)
 from tests.integration.test_batching import publish_all
 from worker import Batch, Context, Retryable, Router
 from worker.core.config import UnitOfWorkConfig
@@ -26,7 +33,7 @@ from worker.core.contention import Contention
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import MAX_SAVEPOINTS, Isolated, process_batch
 from worker.errors import HandlerFailed, MessageFailed
-from worker.faults import UNIT_OF_WORK_ISOLATING
+from worker.faults import FAILURES_PARKED, FAILURES_RECORDED, UNIT_OF_WORK_ISOLATING
 from worker.settings import Settings
 from worker.transport.topology import declare_topology
 
@@ -109,6 +116,37 @@ async def test_two_plain_culprits_are_both_taken_out(engine: AsyncEngine) -> Non
 
     assert [isinstance(end, Isolated) for end in ends] == [False, True, False, True, False]
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 3
+    assert await accounts(engine) == {
+        f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 3, 5)
+    }
+
+
+async def test_a_run_again_after_a_rollback_starts_from_the_same_savepoint(
+    engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given a batch whose plain handler fails on two of five messages, and the statements sent
+    sent: list[str] = []
+    execute = asyncpg.Connection.execute
+
+    async def recording(self: asyncpg.Connection, query: str, *args: Any, **kwargs: Any) -> Any:
+        sent.append(query)
+        return await execute(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(asyncpg.Connection, "execute", recording)
+    calls: list[Any] = []
+    router = notes_router(calls, fail_on={2, 4})
+    batch = [envelope(router, "note", n, f"k{n}") for n in (1, 2, 3, 4, 5)]
+
+    ends = await process_batch(engine, batch, UNIT)
+
+    # Then three runs were made from one savepoint: a rollback to it leaves it in place
+    assert [isinstance(end, Isolated) for end in ends] == [False, True, False, True, False]
+    assert calls == [1, 2, 1, 3, 4, 1, 3, 5]
+    assert [q for q in sent if "SAVEPOINT" in q] == [
+        "SAVEPOINT worker_handlers",
+        "ROLLBACK TO SAVEPOINT worker_handlers",
+        "ROLLBACK TO SAVEPOINT worker_handlers",
+    ]
     assert await accounts(engine) == {
         f"{kind}-{n}" for kind in ("core", "raw", "orm") for n in (1, 3, 5)
     }
@@ -452,3 +490,134 @@ async def test_a_culprit_that_failed_for_good_is_parked_without_running_again(
     assert worker.stats["dead_lettered:handler-error"] == 20
     assert {n: calls[n] for n in range(1, 40, 2)} == dict.fromkeys(range(1, 40, 2), 1)
     assert await broker_depth(settings.dead_letter_queue) == 20
+
+
+def payments_with_culprits() -> list[tuple[str, dict[str, Any]]]:
+    """30 payments, four of them sent again under a second key after them (the ledger refuses
+    the second: k<n>-again is the culprit), one of those twice, and k5 reused for another
+    payment."""
+    sends = [(f"k{i}", payment(f"p{i}", f"acct-{i % 3}", i + 1)) for i in range(30)]
+    for i in (21, 13, 8, 3):
+        sends.insert(i + 5, (f"k{i}-again", payment(f"p{i}", f"acct-{i % 3}", i + 1)))
+    sends.insert(20, ("k8-again", payment("p8", "acct-2", 9)))
+    sends.insert(25, ("k5", payment("p99", "acct-0", 99)))
+    return sends
+
+
+CULPRITS = ["k13-again", "k21-again", "k3-again", "k8-again"]
+
+
+async def parked_ids(amqp: AbstractRobustConnection, settings: Settings) -> list[tuple[str, str]]:
+    """(message id, reason) of each copy in the dead-letter queue, sorted (drains it)."""
+    channel = await amqp.channel()
+    try:
+        parked = await dead_letters(channel, settings)
+    finally:
+        await channel.close()
+    return sorted((str(m.message_id), str(m.headers["x-worker-reason"])) for m in parked)
+
+
+async def assert_payments_applied_once(engine: AsyncEngine) -> None:
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == 30
+    assert await scalar(engine, "SELECT sum(balance_cents) FROM accounts") == sum(range(1, 31))
+    failed = await rows(engine, "SELECT key FROM inbox WHERE status = 'failed' ORDER BY key")
+    assert [r.key for r in failed] == CULPRITS
+    assert await scalar(engine, "SELECT status FROM inbox WHERE key = 'k5'") == "completed"
+
+
+async def test_the_culprits_of_a_batch_are_parked_together_each_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given 30 payments queued with four culprits (one sent twice) and a reused key among them
+    sends = payments_with_culprits()
+    await publish_all(amqp, settings, sends)
+
+    # When one consumer task drains them in batches of up to 40
+    wide = settings.replace(batch_size=40, prefetch=100, concurrency=1, relay=False)
+    async with running_worker(wide, payments) as worker:
+
+        async def drained() -> bool:
+            return sum(
+                worker.stats[s] for s in ("processed", "dead_lettered", "duplicate_of_failed")
+            ) >= len(sends)
+
+        await wait_until(drained)
+
+    # Then each culprit and the reused key were parked once and counted once, each culprit's
+    # key is recorded failed, the second copy of k8-again ended as a duplicate of that failure,
+    # and every payment took effect once
+    assert await parked_ids(amqp, settings) == sorted(
+        [*((key, "handler-error") for key in CULPRITS), ("k5", "key-reused")]
+    )
+    assert worker.stats["processed"] == 30
+    assert worker.stats["dead_lettered"] == 5
+    assert worker.stats["dead_lettered:handler-error"] == 4
+    assert worker.stats["dead_lettered:key-reused"] == 1
+    assert worker.stats["duplicate_of_failed"] == 1
+    assert worker.stats["requeued"] == 0
+    await assert_payments_applied_once(engine)
+    assert await broker_depth(settings.queue) == 0
+
+
+@pytest.mark.parametrize(
+    ("crash_at", "parked_at_most"),
+    [
+        # the copies are confirmed, their keys not recorded: a redelivery is parked again
+        pytest.param(FAILURES_PARKED, 2, id="copies-confirmed"),
+        # the keys are recorded too: a redelivery is a duplicate of a failed key, acked
+        pytest.param(FAILURES_RECORDED, 1, id="failures-recorded"),
+    ],
+)
+async def test_a_crash_while_parking_loses_nothing_and_records_no_failure_without_its_copy(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    tmp_path: Path,
+    crash_at: str,
+    parked_at_most: int,
+) -> None:
+    # Given the payments and culprits queued, and a worker that dies at its first parking
+    await publish_all(amqp, settings, payments_with_culprits())
+    log = tmp_path / "worker.log"
+    env = {
+        "WORKER_HANDLERS": "examples.payments",
+        "WORKER_BATCH_SIZE": "40",
+        "WORKER_PREFETCH": "100",
+        "WORKER_CONCURRENCY": "1",
+        "WORKER_RELAY": "false",
+    }
+    with worker_process(settings, log, WORKER_CRASH_AT=crash_at, **env) as dying:
+        returncode = await asyncio.to_thread(dying.wait, 30)
+    assert returncode == -signal.SIGKILL
+
+    # Then every key recorded failed has its copy parked
+    failed = await rows(engine, "SELECT key FROM inbox WHERE status = 'failed'")
+    parked_before = await parked_ids(amqp, settings)
+    assert parked_before
+    assert {r.key for r in failed} <= {key for key, _ in parked_before}
+
+    # When a healthy worker runs
+    with worker_process(settings, log, **env) as worker:
+        await wait_for_consumer(amqp, settings.queue)
+
+        async def done() -> bool:
+            return await broker_depth(settings.queue) == 0 and (
+                await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'failed'") == 4
+            )
+
+        await wait_until(done)
+        worker.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(worker.wait, 30) == 0
+
+    # Then every payment took effect once, each culprit and the reused key are parked (at most
+    # twice, and only if the crash left them parked and unacked), nothing else is. A reused key
+    # is never recorded (its key belongs to the payment that committed), so whenever the crash
+    # came before its ack, which may be held for a multiple-ack with the culprits', its
+    # redelivery is parked again, whatever the crash point
+    await assert_payments_applied_once(engine)
+    parked = Counter(parked_before + await parked_ids(amqp, settings))
+    assert set(parked) == {*((key, "handler-error") for key in CULPRITS), ("k5", "key-reused")}
+    reused = parked.pop(("k5", "key-reused"))
+    assert 1 <= reused <= 2
+    assert all(1 <= count <= parked_at_most for count in parked.values()), parked
+    assert await broker_depth(settings.queue) == 0

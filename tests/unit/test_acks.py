@@ -3,6 +3,8 @@ record what they were sent (the consumer tests cover real channels)."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import Counter
 from dataclasses import dataclass, field
 
 from worker.transport.acks import Settlements
@@ -75,3 +77,117 @@ async def test_channels_are_counted_apart() -> None:
     await settlements.ack([*deliveries(old, 1, 2), *deliveries(new, 1, 2)])  # type: ignore[list-item]
     assert old.sent == [("ack", 2, True)]
     assert new.sent == [("ack", 2, True)]
+
+
+@dataclass
+class HeldDelivery(Delivery):
+    """A delivery whose ack is written (recorded) at once but completes only when ``held`` is
+    set, as an ack waits for the client's writer."""
+
+    held: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def ack(self, multiple: bool = False) -> None:
+        await super().ack(multiple)
+        await self.held.wait()
+
+
+async def test_the_single_acks_of_a_call_go_out_together_and_the_next_call_waits_for_them() -> None:
+    # Given tags 1-3 settled, and 5-7 committed while 4 is still running
+    channel, settlements = Channel(), Settlements()
+    await settlements.ack(deliveries(channel, 1, 2, 3))  # type: ignore[arg-type]
+    written = asyncio.Event()
+    singles = [HeldDelivery(channel, tag, held=written) for tag in (5, 6, 7)]
+
+    # When 5-7 are acked: each alone, all sent before any has been written
+    acking = asyncio.create_task(settlements.ack(singles))  # type: ignore[arg-type]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert channel.sent[1:] == [("ack", 5, False), ("ack", 6, False), ("ack", 7, False)]
+
+    # Then a later call, which could cover them with a multiple-ack, waits until they are written
+    later = asyncio.create_task(settlements.ack(deliveries(channel, 4, 8)))  # type: ignore[arg-type]
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert len(channel.sent) == 4
+    written.set()
+    await asyncio.gather(acking, later)
+    assert channel.sent[4:] == [("ack", 8, True)]
+
+
+def receiving(channel: Channel, settlements: Settlements, *tags: int) -> list[Delivery]:
+    """Deliveries the consumer received (and so will settle), in the order given."""
+    received = deliveries(channel, *tags)
+    for delivery in received:
+        settlements.received(delivery)  # type: ignore[arg-type]
+    return received
+
+
+async def test_acks_above_a_delivery_in_flight_wait_and_go_out_with_it_in_one_multiple_ack() -> (
+    None
+):
+    # Given tags 1-6 received, 1-2 committed and acked
+    stats: Counter[str] = Counter()
+    channel, settlements = Channel(), Settlements(hold=10, stats=stats)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4, 5, 6)}
+    assert await settlements.ack([d[1], d[2]]) == 1  # type: ignore[list-item]
+    # When 4 and 5 commit while 3 is still in flight, Then their acks wait
+    assert await settlements.ack([d[5], d[4]]) == 0  # type: ignore[list-item]
+    assert channel.sent == [("ack", 2, True)]
+    # And when 3 commits, one multiple-ack settles 3-5; 6, in flight, is not covered
+    assert await settlements.ack([d[3]]) == 1  # type: ignore[list-item]
+    assert channel.sent == [("ack", 2, True), ("ack", 5, True)]
+    assert stats["multiple_acks"] == 2
+
+
+async def test_a_requeued_delivery_below_waiting_acks_lets_them_go() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    first, second, third = receiving(channel, settlements, 1, 2, 3)
+    await settlements.ack([second, third])  # type: ignore[list-item]
+    await settlements.requeue(first)  # type: ignore[arg-type]
+    assert channel.sent == [("nack", 1, False), ("ack", 3, True)]
+
+
+async def test_no_ack_waits_behind_a_delivery_the_client_dropped() -> None:
+    # Given tag 2 never received (dropped by the client), 1, 3 and 4 received
+    channel, settlements = Channel(), Settlements(hold=10)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 3, 4)}
+    # When 3 and 4 commit, Then they are acked alone at once: nothing will settle 2
+    await settlements.ack([d[3], d[4]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 3, False), ("ack", 4, False)]
+
+
+async def test_at_most_hold_acks_wait_the_highest_others_go_alone() -> None:
+    # Given room for two acks to wait, and 2-3 committed while 1 is in flight
+    channel, settlements = Channel(), Settlements(hold=2)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4, 5)}
+    await settlements.ack([d[2], d[3]])  # type: ignore[list-item]
+    assert channel.sent == []
+    # When 4 commits too, Then the highest one past the two is acked alone
+    await settlements.ack([d[4]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 4, False)]
+    # And when 1 commits, one multiple-ack settles 1-3 (4 was settled already)
+    await settlements.ack([d[1]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 4, False), ("ack", 3, True)]
+
+
+async def test_flush_acks_every_waiting_delivery_alone() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    _, second, third = receiving(channel, settlements, 1, 2, 3)
+    await settlements.ack([second, third])  # type: ignore[list-item]
+    await settlements.flush()
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False)]
+
+
+async def test_deliveries_never_reported_received_do_not_wait() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    await settlements.ack(deliveries(channel, 2, 3))  # type: ignore[arg-type]
+    assert channel.sent == [("ack", 2, False), ("ack", 3, False)]
+
+
+async def test_a_delivery_received_late_is_no_longer_taken_for_dropped() -> None:
+    channel, settlements = Channel(), Settlements(hold=10)
+    d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 3, 2, 4)}
+    await settlements.ack([d[3], d[4]])  # type: ignore[list-item]
+    assert channel.sent == []  # 1 and 2 were received: 3 and 4 wait for them
+    await settlements.ack([d[1], d[2]])  # type: ignore[list-item]
+    assert channel.sent == [("ack", 4, True)]

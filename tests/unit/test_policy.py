@@ -143,8 +143,21 @@ def test_in_process_delay_doubles_up_to_two_seconds(tries: int, delay: float) ->
     assert in_process_delay(tries) == pytest.approx(delay)
 
 
-@pytest.mark.parametrize(("facts", "asked"), [(FailureFacts(tries=0), False), (OPENED_SPENT, True)])
-def test_the_database_is_asked_only_after_the_checks(facts: FailureFacts, asked: bool) -> None:
+@pytest.mark.parametrize(
+    ("facts", "asked"),
+    [
+        # Given a delivery that failed its checks, Then it touched no database: nothing to ask
+        (FailureFacts(tries=0), False),
+        # Given one that failed after them, Then the failure may be an outage in disguise
+        (FailureFacts(tries=3), True),
+        # … unless PostgreSQL is known to have answered since (its batch then committed)
+        (OPENED_SPENT, False),
+        (FailureFacts(tries=3, database_answers=False), False),
+    ],
+)
+def test_the_database_is_asked_after_the_checks_unless_its_answer_is_known(
+    facts: FailureFacts, asked: bool
+) -> None:
     assert asks_database(facts) is asked
 
 

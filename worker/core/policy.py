@@ -72,8 +72,9 @@ class FailureFacts:
     ``attempt`` is which delivery of the message this is (1, or n + 1 after n delayed retries:
     ``Delivery.attempt``); ``tries`` how many times its unit of work ran in this process, the
     failed one included (0: it failed its checks, so it has no key and touched no database);
-    ``database_answers`` whether PostgreSQL answered a probe after the failure (None: not asked,
-    see ``asks_database``).
+    ``database_answers`` whether PostgreSQL answered after the failure: a probe's answer, or
+    True for a delivery that failed in a batch whose transaction then committed (None: not
+    known yet, see ``asks_database``).
     """
 
     attempt: int = 1
@@ -146,8 +147,10 @@ Decision = RetryInProcess | RetryLater | Park | Pause
 
 def asks_database(facts: FailureFacts) -> bool:
     """True when PostgreSQL must be probed (``FailureFacts.database_answers``) before the failure
-    is blamed on the message: any failure after its checks may be an outage in disguise."""
-    return facts.opened
+    is blamed on the message: any failure after its checks may be an outage in disguise, unless
+    the database is already known to have answered after it (a delivery that failed in a batch
+    whose transaction then committed)."""
+    return facts.opened and facts.database_answers is None
 
 
 def in_process_delay(tries: int) -> float:

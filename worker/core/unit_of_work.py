@@ -38,9 +38,10 @@ ISOLATION_SAVEPOINT = "worker_handlers"
 """The savepoint each run of a handler group starts from, rolled back to when a handler fails."""
 
 MAX_SAVEPOINTS = 32
-"""Savepoints one transaction may use to take failing messages out before it gives up and fails
-as a whole (its messages then run one per transaction): PostgreSQL tracks 64 subtransactions
-per transaction cheaply, and a transaction with more slows every other session's snapshots."""
+"""Runs from a savepoint one transaction may make to take failing messages out before it gives
+up and fails as a whole (its messages then run one per transaction): PostgreSQL tracks 64
+subtransactions per transaction cheaply, and a transaction with more slows every other session's
+snapshots. A run again from where a rollback left the transaction reuses its savepoint."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ class _Isolation:
         self.enabled = enabled
         self.culprits: dict[InboxKey, Exception] = {}
         self._savepoints = 0
+        self._standing = False  # just rolled back to: the savepoint is where the next run starts
 
     async def run(self, contexts: Sequence[Context]) -> dict[int, Any]:
         """Each surviving context's handler result, by ``id(ctx)``; a batch handler runs once
@@ -186,16 +188,22 @@ class _Isolation:
         return {}
 
     async def _savepoint(self) -> None:
+        """Mark where the next run starts: a new savepoint, unless the run starts where the last
+        rollback left the transaction (a savepoint stays after a rollback to it)."""
         if self._savepoints == MAX_SAVEPOINTS:
             raise RuntimeError(
                 f"gave up taking failing messages out of the batch after {MAX_SAVEPOINTS} tries"
             )
         self._savepoints += 1
+        if self._standing:
+            self._standing = False
+            return
         await self.driver.execute(f"SAVEPOINT {ISOLATION_SAVEPOINT}")
 
     async def _roll_back(self, members: Sequence[Context]) -> None:
         """Undo the group's run: its writes, the events it recorded, its ORM sessions."""
         await self.driver.execute(f"ROLLBACK TO SAVEPOINT {ISOLATION_SAVEPOINT}")
+        self._standing = True
         for ctx in members:
             ctx.outbox.clear()
             await ctx.close()

@@ -154,38 +154,54 @@ async def complete_keys(conn: Connection, results: Sequence[tuple[str, str, Any]
     await driver.execute(COMPLETE_KEYS, *completion_arrays(results))
 
 
-async def record_failure(
-    conn: AsyncConnection, claim: KeyClaim, *, error: str, attempts: int
-) -> None:
-    """Mark (handler, key) failed with ``error`` unless its effect has committed meanwhile.
+RECORD_FAILURES = """
+INSERT INTO inbox AS i (handler, key, fingerprint, status, error, attempts, message_id,
+                        routing_key)
+SELECT f.handler, f.key, f.fingerprint, 'failed', f.error, f.attempts, f.message_id,
+       f.routing_key
+FROM unnest($1::text[], $2::text[], $3::bytea[], $4::text[], $5::int4[], $6::text[], $7::text[])
+     WITH ORDINALITY AS f(handler, key, fingerprint, error, attempts, message_id, routing_key,
+                          position)
+ORDER BY f.position
+ON CONFLICT (handler, key) DO UPDATE
+SET status = 'failed', error = excluded.error,
+    attempts = least(i.attempts + excluded.attempts, $8::int4), owner = NULL,
+    lease_until = NULL, updated_at = now()
+WHERE i.status <> 'completed'
+"""
 
-    A later delivery of the key is then acknowledged without running the handler, until
-    ``clear_failure`` (a DLQ replay) lets it run again.
+FailedKey = tuple[KeyClaim, str, int]
+"""A key to record as failed: its claim, the error, and the delivery's failed attempts."""
+
+
+async def record_failures(conn: Connection, failures: Sequence[FailedKey]) -> None:
+    """Mark each (claim, error, attempts)'s key failed with ``error``, unless its effect has
+    committed meanwhile, in one statement in ``conn``'s transaction.
+
+    A later delivery of such a key is then acknowledged without running the handler, until
+    ``clear_failure`` (a DLQ replay) lets it run again. A key given twice is recorded once, with
+    its last error; keys are written in (handler, key) order, the claims' lock order.
     """
-    stmt = insert(inbox).values(
-        handler=claim.handler,
-        key=claim.key,
-        fingerprint=claim.fingerprint,
-        status="failed",
-        error=error,
-        attempts=attempts,
-        message_id=claim.message_id,
-        routing_key=claim.routing_key,
+    by_key = {claim.inbox_key: (claim, error, attempts) for claim, error, attempts in failures}
+    rows = [by_key[key] for key in sorted(by_key)]
+    driver = await in_transaction(conn)
+    await driver.execute(
+        RECORD_FAILURES,
+        [claim.handler for claim, _, _ in rows],
+        [claim.key for claim, _, _ in rows],
+        [claim.fingerprint for claim, _, _ in rows],
+        [error for _, error, _ in rows],
+        [attempts for _, _, attempts in rows],
+        [claim.message_id for claim, _, _ in rows],
+        [claim.routing_key for claim, _, _ in rows],
+        MAX_ATTEMPTS,
     )
-    await conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=[inbox.c.handler, inbox.c.key],
-            set_={
-                "status": "failed",
-                "error": stmt.excluded.error,
-                "attempts": func.least(inbox.c.attempts + stmt.excluded.attempts, MAX_ATTEMPTS),
-                "owner": None,
-                "lease_until": None,
-                "updated_at": func.now(),
-            },
-            where=inbox.c.status != "completed",
-        )
-    )
+
+
+async def record_failure(conn: Connection, claim: KeyClaim, *, error: str, attempts: int) -> None:
+    """Mark (handler, key) failed with ``error`` unless its effect has committed meanwhile:
+    ``record_failures`` of one."""
+    await record_failures(conn, [(claim, error, attempts)])
 
 
 async def clear_failure(conn: AsyncConnection, handler: str, key: str) -> bool:

@@ -5,8 +5,21 @@ AMQP's ``basic.ack(tag, multiple=True)`` settles every unsettled delivery of the
 for a run that starts at the channel's lowest tag not yet settled and in which every tag is
 either being acked now (its transaction committed) or was settled before. A tag it never saw
 (a delivery the client dropped, e.g. one that arrived for a cancelled consumer) breaks the run,
-so a multiple-ack can never settle a delivery nobody processed. Any other delivery is settled on
-its own. Settlements are issued one at a time, in order, so none overtakes another.
+so a multiple-ack can never settle a delivery nobody processed.
+
+A committed delivery above the run may wait (it is *held*) while every unsettled delivery below
+it is one this consumer received (``received``) and so will settle: a culprit being parked, the
+other consumer task's batch. Once those are settled, one multiple-ack settles the held ones with
+them. At most ``hold`` deliveries of a channel are held (past that, the highest are acked on
+their own: a later run goes on through them), never past a delivery the client dropped, and
+``flush`` acks all of them (the consumer stops: what is below them will not be settled); any
+other committed delivery is acked on its own. An ack is still sent only after the commit;
+holding it only delays it, never past the settling of what is below it.
+
+Settlements are issued one call at a time, in order: a call's multiple-ack is written before its
+single acks, and all of them before the next call's first, so none overtakes another. The single
+acks of one call are sent together rather than each after the last was written: each settles
+only its own tag, which no other settlement of the call covers, so their order is free.
 """
 
 from __future__ import annotations
@@ -14,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,16 +40,26 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Channel:
     """What is settled on one AMQP channel: every tag below ``floor``, and ``above`` (settled
-    tags at or over ``floor``)."""
+    tags at or over ``floor``); ``held``: committed deliveries whose ack waits; ``received``: the
+    highest tag the consumer received, and ``dropped`` the tags below it it never received."""
 
     floor: int = 1
     above: set[int] = field(default_factory=set)
+    held: dict[int, AbstractIncomingMessage] = field(default_factory=dict)
+    received: int = 0
+    dropped: set[int] = field(default_factory=set)
 
     def settled(self, tag: int) -> None:
         self.above.add(tag)
         while self.floor in self.above:
             self.above.discard(self.floor)
             self.floor += 1
+
+    def arrived(self, tag: int) -> None:
+        if tag > self.received + 1:
+            self.dropped.update(range(self.received + 1, tag))
+        self.dropped.discard(tag)  # (one that came late, after a higher one)
+        self.received = max(self.received, tag)
 
     def run(self, ready: Iterable[int]) -> list[int]:
         """The tags of ``ready`` that one multiple-ack may settle: those in the unbroken
@@ -49,18 +73,38 @@ class _Channel:
             tag += 1
         return run
 
+    def may_wait(self) -> bool:
+        """True while the held deliveries may wait for a multiple-ack: every unsettled tag below
+        them was received, so it will be settled here."""
+        top = max(self.held)
+        return top <= self.received and not any(self.floor <= t < top for t in self.dropped)
+
 
 class Settlements:
-    """The settled deliveries of a consumer's channels, and the one way to settle them."""
+    """The settled deliveries of a consumer's channels, and the one way to settle them.
 
-    def __init__(self) -> None:
+    ``hold``: the most committed deliveries of a channel whose acks may wait for a multiple-ack
+    (0: none wait); holding needs every delivery reported with ``received``. Each multiple-ack
+    sent is counted in ``stats["multiple_acks"]``.
+    """
+
+    def __init__(self, hold: int = 0, stats: Counter[str] | None = None) -> None:
         # per AMQP channel (a reconnect opens a new one)
         self._channels: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
         self._issuing = asyncio.Lock()
+        self._hold = hold
+        self._stats: Counter[str] = Counter() if stats is None else stats
+
+    def received(self, message: AbstractIncomingMessage) -> None:
+        """Note that the consumer received ``message`` (and will settle it)."""
+        channel = _channel_of(message)
+        if channel is not None and message.delivery_tag is not None:
+            self._channels.setdefault(channel, _Channel()).arrived(message.delivery_tag)
 
     async def ack(self, messages: Iterable[AbstractIncomingMessage]) -> int:
         """Ack ``messages`` (all committed): the run from the channel's lowest unsettled tag
-        with one multiple-ack, the others one by one. Returns how many multiple-acks it sent."""
+        with one multiple-ack, the others held or one by one. Returns how many multiple-acks it
+        sent."""
         sent = 0
         async with self._issuing:
             by_channel: dict[Any, dict[int, AbstractIncomingMessage]] = {}
@@ -72,17 +116,9 @@ class Settlements:
                 by_channel.setdefault(channel, {})[message.delivery_tag] = message
             for channel, ready in by_channel.items():
                 state = self._channels.setdefault(channel, _Channel())
-                run = state.run(ready)
-                if len(run) > 1:
-                    for tag in run:
-                        state.settled(tag)
-                    await _issue(ready[run[-1]].ack(multiple=True))
-                    sent += 1
-                    for tag in run:
-                        del ready[tag]
-                for tag, message in sorted(ready.items()):
-                    state.settled(tag)
-                    await _issue(message.ack())
+                state.held.update(ready)
+                sent += await self._ack_held(state)
+            self._forget_closed()
         return sent
 
     async def ack_one(self, message: AbstractIncomingMessage) -> None:
@@ -97,12 +133,58 @@ class Settlements:
         work queue's dead-letter exchange parks it as it is, with the broker's ``x-death``."""
         await self._nack(message, requeue=False)
 
+    async def flush(self) -> None:
+        """Ack every held delivery now, each on its own."""
+        async with self._issuing:
+            self._forget_closed()
+            for state in list(self._channels.values()):
+                await self._ack_alone(state, len(state.held))
+
     async def _nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
         async with self._issuing:
             channel = _channel_of(message)
+            state = None
             if channel is not None and message.delivery_tag is not None:
-                self._channels.setdefault(channel, _Channel()).settled(message.delivery_tag)
+                state = self._channels.setdefault(channel, _Channel())
+                state.settled(message.delivery_tag)
             await _issue(message.nack(requeue=requeue))
+            if state is not None and state.held:  # it may have been what they waited for
+                await self._ack_held(state)
+
+    async def _ack_held(self, state: _Channel) -> int:
+        """Ack the held deliveries of ``state``'s channel that one multiple-ack may settle; keep
+        the others held while they may wait, else ack them on their own. Returns how many
+        multiple-acks it sent."""
+        sent = 0
+        run = state.run(state.held)
+        if run:
+            last = state.held[run[-1]]
+            for tag in run:
+                state.settled(tag)
+                del state.held[tag]
+            await _issue(last.ack(multiple=True) if len(run) > 1 else last.ack())
+            sent = int(len(run) > 1)
+            self._stats["multiple_acks"] += sent
+        if state.held and not state.may_wait():
+            await self._ack_alone(state, len(state.held))
+        elif len(state.held) > self._hold:  # the highest: the run will go on through them
+            await self._ack_alone(state, len(state.held) - self._hold)
+        return sent
+
+    def _forget_closed(self) -> None:
+        """Drop what is held on channels that closed: their tags are void (the broker
+        redelivers), and a held delivery would keep its channel's entry alive."""
+        for channel, state in list(self._channels.items()):
+            if state.held and getattr(channel, "is_closed", False):
+                state.held.clear()
+
+    async def _ack_alone(self, state: _Channel, count: int) -> None:
+        """Ack the ``count`` highest held deliveries of ``state``'s channel, each on its own."""
+        alone = sorted(state.held.items())[-count:] if count > 0 else []
+        for tag, _ in alone:
+            state.settled(tag)
+            del state.held[tag]
+        await asyncio.gather(*(_issue(message.ack()) for _, message in alone))
 
 
 def _channel_of(message: AbstractIncomingMessage) -> Any:

@@ -3,10 +3,12 @@
 Deliveries are taken in micro-batches: ``concurrency`` takers each take up to ``batch_size`` of
 the deliveries that arrived (waiting ``batch_linger`` for more when there are fewer), check them
 (``open_envelope``), process them in one transaction (``unit_of_work.process_batch``) and ack
-them after its commit, with one multiple-ack where that is safe (``acks``). A batch that fails
-in any way is redone one delivery per transaction, so only the failing delivery takes the
-failure path, and ends where the failure policy says (``core.policy.decide``), carried out by
-``failures.Failures``:
+them after its commit, with one multiple-ack where that is safe (``acks``). A delivery whose
+handler fails in a batch is taken out of it and the others commit (``unit_of_work``); after the
+commit, those that failed for good take their failure path together (``after_commit``), and the
+others run alone. A batch that fails as a whole is redone one delivery per transaction. So only
+a failing delivery takes the failure path, and it ends where the failure policy says
+(``core.policy.decide``), carried out by ``failures.Failures``:
 
 - transient (``errors.classify``): retried in-process ``transient_attempts`` times with
   backoff; then sent to the next delayed-retry queue with its attempt count; after the last one,
@@ -30,7 +32,9 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 from aio_pika.abc import (
     AbstractChannel,
@@ -52,7 +56,7 @@ from worker.core.envelope import (
 from worker.core.handler import HandlerKind
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
-from worker.core.unit_of_work import Isolated
+from worker.core.unit_of_work import Ended, Isolated
 from worker.errors import (
     CheckFailed,
     Fault,
@@ -70,6 +74,7 @@ from worker.faults import (
 )
 from worker.ops.metrics import Metrics
 from worker.settings import Settings
+from worker.sql.rows import InboxKey
 from worker.transport.acks import Settlements
 from worker.transport.failures import Failures
 from worker.transport.topology import Topology, declare_topology
@@ -104,6 +109,51 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
         exchange=message.exchange or "",
         redelivered=bool(message.redelivered),
     )
+
+
+M = TypeVar("M")
+
+
+@dataclass
+class AfterCommit(Generic[M]):
+    """Where the deliveries of a batch whose transaction committed go next: ``committed`` are
+    acked with their outcomes; ``failed`` failed for good in it and take their failure path at
+    once, together (``Failures.failed_in_committed_batch``); ``alone`` run on their own.
+    ``isolated`` counts the culprits taken out of the batch (``unit_of_work.Isolated``)."""
+
+    committed: list[tuple[M, Envelope, Outcome]] = field(default_factory=list)
+    failed: list[tuple[M, Envelope, Exception]] = field(default_factory=list)
+    alone: list[tuple[M, Envelope]] = field(default_factory=list)
+    isolated: int = 0
+
+
+def after_commit(together: Sequence[tuple[M, Envelope]], ends: Sequence[Ended]) -> AfterCommit[M]:
+    """Sort a committed batch's deliveries by their ``ends`` (in the same order) into
+    ``AfterCommit``: each delivery lands in exactly one list.
+
+    A reused key fails for good, and so does a culprit whose error ``classify`` calls permanent:
+    run alone it would only fail the same way, a transaction later. A culprit that failed
+    otherwise (transiently, or for the deployment) runs alone, with its in-process tries or the
+    pause. So does a later copy of a permanent culprit's key: it runs after the first copy's
+    failure was recorded, and ends as a duplicate of the failed key rather than as a second
+    parked copy. ``failed`` thus holds distinct keys.
+    """
+    after: AfterCommit[M] = AfterCommit()
+    failing: set[InboxKey] = set()
+    for (message, envelope), end in zip(together, ends, strict=True):
+        if isinstance(end, KeyReused):
+            after.failed.append((message, envelope, end))
+        elif isinstance(end, Isolated):
+            after.isolated += 1
+            key = envelope.inbox_key
+            if classify(end.error) is Fault.PERMANENT and key not in failing:
+                failing.add(key)
+                after.failed.append((message, envelope, handler_failed(end.error)))
+            else:
+                after.alone.append((message, envelope))
+        else:
+            after.committed.append((message, envelope, end))
+    return after
 
 
 class Consumer:
@@ -145,7 +195,7 @@ class Consumer:
         self.engine = engine
         self.connection = connection
         self.stats: Counter[str] = self.metrics.tally.stats
-        self.settlements = Settlements()
+        self.settlements = Settlements(hold=self.ack_hold, stats=self.stats)
         self._pending: list[AbstractIncomingMessage] = []
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
@@ -223,6 +273,13 @@ class Consumer:
         return self._topology
 
     @property
+    def ack_hold(self) -> int:
+        """Committed deliveries whose acks may wait for a multiple-ack behind deliveries still in
+        flight (``acks``): what the prefetch window holds beyond a batch in flight per consumer
+        task and one more waiting to be taken, so that holding them never starves a task."""
+        return max(0, self.settings.prefetch - (self.settings.concurrency + 1) * self.batch_size)
+
+    @property
     def batch_size(self) -> int:
         """Most deliveries one transaction takes: the setting, bounded by the prefetch."""
         return min(self.settings.batch_size, self.settings.prefetch)
@@ -254,6 +311,7 @@ class Consumer:
         for taker in self._takers:
             taker.cancel()
         await asyncio.gather(*self._takers, return_exceptions=True)
+        await self.settlements.flush()  # what they wait for was never taken: it will not settle
         if self._channel is not None and not self._channel.is_closed:
             await self._channel.close()  # deliveries never taken go back to the queue
 
@@ -275,6 +333,7 @@ class Consumer:
                 log.debug("cancelling the consumer failed", exc_info=True)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
+        self.settlements.received(message)
         self._pending.append(message)
         self._arrived.set()
 
@@ -397,45 +456,24 @@ class Consumer:
             return
         crash_point(CONSUMER_AFTER_COMMIT, len(together))
         self.metrics.batch(len(together))
-        committed: list[AbstractIncomingMessage] = []
-        isolated: list[tuple[AbstractIncomingMessage, Envelope, Isolated]] = []
-        for (message, envelope), end in zip(together, ends, strict=True):
-            if isinstance(end, KeyReused):
-                with logs.message_context(envelope.delivery, envelope):
-                    await self.failures.failed(message, envelope.delivery, envelope, end)
-            elif isinstance(end, Isolated):
-                isolated.append((message, envelope, end))
-            else:
-                self._count(envelope, end)
-                committed.append(message)
+        after = after_commit(together, ends)
+        for _, envelope, outcome in after.committed:
+            self._count(envelope, outcome)
         self.stats["batches"] += 1
-        self.stats["multiple_acks"] += await self.settlements.ack(committed)
-        if isolated:
+        await self.settlements.ack([message for message, _, _ in after.committed])
+        if after.isolated:
             log.info(
-                "%d of a batch of %d failed in it and run on their own; the others committed",
-                len(isolated),
+                "%d of a batch of %d failed in it and were taken out; the others committed",
+                after.isolated,
                 len(together),
             )
-            self.stats["isolated"] += len(isolated)
-        # each takes its own failure path, or succeeds alone; beside the batch's successes, a
-        # culprit parked is no sign of a broken handler (no slowing down for dead letters in a row)
-        with self.failures.beside_successes() if committed else contextlib.nullcontext():
-            for message, envelope, end in isolated:
-                await self._settle_isolated(message, envelope, end)
-
-    async def _settle_isolated(
-        self, message: AbstractIncomingMessage, envelope: Envelope, isolated: Isolated
-    ) -> None:
-        """A culprit taken out of its batch: a permanent failure takes its failure path at once
-        (running it alone would only fail the same way, a transaction later); anything else
-        runs alone, with its in-process tries."""
-        if classify(isolated.error) is Fault.PERMANENT:
-            with logs.message_context(envelope.delivery, envelope):
-                await self.failures.failed(
-                    message, envelope.delivery, envelope, handler_failed(isolated.error)
-                )
-            return
-        await self._process_alone(message, envelope)
+            self.stats["isolated"] += after.isolated
+        # beside the batch's successes, a delivery parked is no sign of a broken handler (no
+        # slowing down for dead letters in a row)
+        with self.failures.beside_successes() if after.committed else contextlib.nullcontext():
+            await self.failures.failed_in_committed_batch(after.failed)
+            for message, envelope in after.alone:
+                await self._process_alone(message, envelope)
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()

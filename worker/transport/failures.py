@@ -8,20 +8,27 @@ dead-lettering. Every delivery it is given ends in exactly one of them, counted 
 
 Invariant: the delivery is acked only after the broker confirmed the copy it was turned into,
 and parking always ends: once the DLQ copy is confirmed the delivery is acked, even if recording
-its key as failed does not work (the copy is the record). If the copy cannot be published while
-the channel lives, the delivery is handed to the broker's own dead-lettering (``reject``) instead
-of returning to the queue; a copy lost with its channel returns it to the queue once. After
-``failure_throttle_after`` dead letters in a row, ``throttled`` holds the consumer to one message
-at a time until one succeeds.
+its key as failed does not work (the copy is the record). A key is recorded as failed only after
+its copy was confirmed, so a recorded failure always has a parked copy. If the copy cannot be
+published while the channel lives, the delivery is handed to the broker's own dead-lettering
+(``reject``) instead of returning to the queue; a copy lost with its channel returns it to the
+queue once. After ``failure_throttle_after`` dead letters in a row, ``throttled`` holds the
+consumer to one message at a time until one succeeds.
+
+The deliveries that failed in one batch (``failed_in_committed_batch``) are parked together: their
+copies published at once and their confirms awaited together, their keys recorded as failed in one
+transaction, then their acks; a crash between two of these steps leaves them as a crash would
+leave one delivery between the same steps.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 
 import aiormq.exceptions
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractIncomingMessage
@@ -31,6 +38,7 @@ from worker import backoff, database, logs
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Delivery, Envelope
 from worker.core.outcomes import Outcome
 from worker.core.policy import (
+    Decision,
     FailureFacts,
     Park,
     Pause,
@@ -42,6 +50,7 @@ from worker.core.policy import (
 )
 from worker.core.router import Router
 from worker.errors import Fault, PauseReason, Reason, classify
+from worker.faults import FAILURES_PARKED, FAILURES_RECORDED, crash_point
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
 from worker.sql import inbox
@@ -58,6 +67,41 @@ LOST_COPIES_REMEMBERED = 10_000
 Pauser = Callable[[PauseReason, str], Awaitable[None]]
 """Pauses consumption for a reason (with a detail for the log); returns once it is paused."""
 
+Publish = Callable[[AbstractExchange], Awaitable[None]]
+"""Publishes the copy a failure turns a delivery into, given the default exchange; returns after
+the broker's confirm."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A failed delivery on its way to where the policy sends it (``envelope`` None when it
+    failed its checks)."""
+
+    message: AbstractIncomingMessage
+    envelope: Envelope | None
+    failure: Failure
+
+    def logged(self) -> contextlib.AbstractContextManager[None]:
+        """Tag the records logged inside with the delivery's identity."""
+        return logs.message_context(self.failure.delivery, self.envelope)
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """The copy ``failed`` is turned into, for ``reason``, sent by ``publish``."""
+
+    failed: _Failed
+    reason: Reason
+    publish: Publish
+
+
+@dataclass(frozen=True)
+class _Parking:
+    """A failed delivery the policy parks (``park``)."""
+
+    failed: _Failed
+    park: Park
+
 
 def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
     """What tells one message from another across its redeliveries (tags change)."""
@@ -69,6 +113,16 @@ def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
         len(message.body),
         hash(message.body),
     )
+
+
+def _parked_copy(dead_letter_exchange: AbstractExchange, parking: _Parking) -> _Copy:
+    """The copy ``parking`` parks in the dead-letter queue through ``dead_letter_exchange``."""
+    failed, reason = parking.failed, parking.park.reason
+
+    async def publish(_: AbstractExchange) -> None:
+        await dead_letters.park(dead_letter_exchange, failed.message, failed.failure, reason=reason)
+
+    return _Copy(failed, reason, publish)
 
 
 class Failures:
@@ -136,14 +190,63 @@ class Failures:
     ) -> None:
         """Carry out the policy's decision for ``message``, which failed with ``exc`` after its
         in-process tries (``envelope`` is None when it failed its checks)."""
-        handler = (
-            envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
-        )
-        failure = Failure.of(delivery, exc, handler)
         facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
         if asks_database(facts):
             facts = replace(facts, database_answers=await self._database_answers())
+        failed = self._failed(message, delivery, envelope, exc)
         decision = decide(exc, facts, self.policy)
+        if isinstance(decision, Park):
+            await self._park([self._parking(failed, decision, exc)])
+        else:
+            await self._carry_out(failed, decision, exc)
+
+    async def failed_in_committed_batch(
+        self, failures: Sequence[tuple[AbstractIncomingMessage, Envelope, Exception]]
+    ) -> None:
+        """Carry out the policy's decision for each (delivery, envelope, error) of a batch whose
+        transaction committed after they failed in it, each failed for good (``KeyReused``, or
+        a culprit whose error ``classify`` calls permanent), with distinct keys.
+
+        PostgreSQL answered after these failures (it committed), so it is not probed again; the
+        deliveries the policy parks are parked together (``_park``), any other goes its way on
+        its own.
+        """
+        parkings: list[_Parking] = []
+        for message, envelope, exc in failures:
+            delivery = envelope.delivery
+            facts = FailureFacts.of(delivery, self.policy, opened=True, database_answers=True)
+            failed = self._failed(message, delivery, envelope, exc)
+            decision = decide(exc, facts, self.policy)
+            if isinstance(decision, Park):
+                parkings.append(self._parking(failed, decision, exc))
+            else:
+                with failed.logged():
+                    await self._carry_out(failed, decision, exc)
+        await self._park(parkings)
+
+    def _failed(
+        self,
+        message: AbstractIncomingMessage,
+        delivery: Delivery,
+        envelope: Envelope | None,
+        exc: Exception,
+    ) -> _Failed:
+        handler = (
+            envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
+        )
+        return _Failed(message, envelope, Failure.of(delivery, exc, handler))
+
+    @staticmethod
+    def _parking(failed: _Failed, park: Park, exc: Exception) -> _Parking:
+        if park.unexpected:
+            with failed.logged():
+                log.error(
+                    "unexpected failure for message %s", failed.message.message_id, exc_info=exc
+                )
+        return _Parking(failed, park)
+
+    async def _carry_out(self, failed: _Failed, decision: Decision, exc: Exception) -> None:
+        """Carry out a decision that parks nothing: a pause, or a delayed retry."""
         if isinstance(decision, Pause):
             detail = (
                 "PostgreSQL does not answer"
@@ -151,32 +254,28 @@ class Failures:
                 else logs.describe_error(exc)
             )
             await self._pause(decision.reason, detail)
-            await self.requeue(message, failure.handler)
+            await self.requeue(failed.message, failed.failure.handler)
         elif isinstance(decision, RetryLater):
-            await self._retry_later(message, failure, decision.queue)
-        elif isinstance(decision, Park):
-            if decision.unexpected:
-                log.error("unexpected failure for message %s", delivery.message_id, exc_info=exc)
-            await self._park(message, failure, decision, envelope)
+            await self._retry_later(failed, decision.queue)
         else:  # RetryInProcess: the facts say the in-process tries are spent
-            raise AssertionError(f"{decision} after the in-process tries of {delivery.message_id}")
+            raise AssertionError(
+                f"{decision} after the in-process tries of {failed.failure.delivery.message_id}"
+            )
 
     async def requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
         """Return ``message`` to the queue untouched (a fault that is not the message's)."""
         self.tally.record(handler, Outcome.REQUEUED)
         await self.settlements.requeue(message)
 
-    async def _retry_later(
-        self, message: AbstractIncomingMessage, failure: Failure, queue: RetryQueue
-    ) -> None:
-        copied = await self._copy(
-            message,
-            failure,
-            Reason.RETRY_FAILED,
-            lambda exchange: dead_letters.schedule_retry(
-                exchange, message, failure, retry_queue=queue.name
-            ),
-        )
+    async def _retry_later(self, failed: _Failed, queue: RetryQueue) -> None:
+        message, failure = failed.message, failed.failure
+
+        async def publish(default_exchange: AbstractExchange) -> None:
+            await dead_letters.schedule_retry(
+                default_exchange, message, failure, retry_queue=queue.name
+            )
+
+        [copied] = await self._copies([_Copy(failed, Reason.RETRY_FAILED, publish)])
         if not copied:
             return
         self.tally.record(failure.handler, Outcome.RETRY_SCHEDULED)
@@ -189,62 +288,48 @@ class Failures:
         )
         await self.settlements.ack_one(message)
 
-    async def _park(
-        self,
-        message: AbstractIncomingMessage,
-        failure: Failure,
-        park: Park,
-        envelope: Envelope | None,
-    ) -> None:
-        """Park in the DLQ; then, when the policy says so, record its key as failed; then ack.
+    async def _park(self, parkings: Sequence[_Parking]) -> None:
+        """Park each in the DLQ; then record the keys the policy says as failed, all in one
+        transaction; then ack them.
 
-        Parking comes first: a crash before the ack parks the message twice at worst, while a
-        recorded failure without a parked copy would leave nothing to replay. Once the broker
-        confirmed the copy, the delivery is acked whatever happens to the record (the copy is
-        the record).
+        Parking comes first: a crash before the acks parks a delivery twice at worst, while a
+        recorded failure without a parked copy would leave nothing to replay. The copies are
+        published at once and their confirms awaited together; a delivery whose copy was not
+        confirmed was settled otherwise (``_copies``) and is neither recorded nor acked here.
+        Once the broker confirmed a copy, its delivery is acked whatever happens to the record
+        (the copy is the record).
         """
+        if not parkings:
+            return
         topology = self._topology()
         assert topology is not None
-        dead_letter_exchange = topology.dead_letter_exchange
-        reason = park.reason
-        copied = await self._copy(
-            message,
-            failure,
-            reason,
-            lambda _: dead_letters.park(dead_letter_exchange, message, failure, reason=reason),
+        copied = await self._copies(
+            [_parked_copy(topology.dead_letter_exchange, parking) for parking in parkings]
         )
-        if not copied:
+        parked = [parking for parking, ok in zip(parkings, copied, strict=True) if ok]
+        if not parked:
             return
-        if envelope is not None and park.record_key:
-            try:
-                await backoff.in_process(self.settings.transient_attempts, log)(
-                    self._record_failure, envelope, failure
-                )
-            except Exception:
-                log.exception(
-                    "message %s is parked, but its key could not be recorded as failed; a "
-                    "redelivery of the key will run again",
-                    message.message_id,
-                )
-        self._count_dead_letter(failure, reason)
-        log.warning(
-            "dead-lettered message %s (routing key %r): %s: %s",
-            message.message_id,
-            failure.delivery.routing_key,
-            reason,
-            failure.error,
+        crash_point(FAILURES_PARKED, len(parked))
+        await self._record_failures(
+            [p.failed for p in parked if p.failed.envelope is not None and p.park.record_key]
         )
-        await self.settlements.ack_one(message)
+        crash_point(FAILURES_RECORDED, len(parked))
+        for parking in parked:
+            failure = parking.failed.failure
+            self._count_dead_letter(failure, parking.park.reason)
+            with parking.failed.logged():
+                log.warning(
+                    "dead-lettered message %s (routing key %r): %s: %s",
+                    parking.failed.message.message_id,
+                    failure.delivery.routing_key,
+                    parking.park.reason,
+                    failure.error,
+                )
+        await self.settlements.ack([parking.failed.message for parking in parked])
 
-    async def _copy(
-        self,
-        message: AbstractIncomingMessage,
-        failure: Failure,
-        reason: Reason,
-        publish: Callable[[AbstractExchange], Awaitable[None]],
-    ) -> bool:
-        """Publish the copy a failure turns ``message`` into (``publish``, given the default
-        exchange); True once the broker confirmed it, else the delivery is settled here.
+    async def _copies(self, copies: Sequence[_Copy]) -> list[bool]:
+        """Publish the copies failures turn deliveries into, at once; for each, True once the
+        broker confirmed it, else its delivery is settled here.
 
         A failed copy never sends the delivery round and round. An unroutable copy (its queue
         was deleted) is the deployment's fault: consumption pauses, and declares the topology
@@ -256,42 +341,61 @@ class Failures:
         """
         topology = self._topology()
         assert topology is not None
-        identity = _identity(message)
-        if message.redelivered and identity in self._copies_lost:
-            del self._copies_lost[identity]
-            log.error(
-                "message %s came back after its %s copy was lost with the channel; the broker "
-                "dead-letters it as it is",
-                message.message_id,
-                reason,
+        confirmed = [False] * len(copies)
+        sending: list[int] = []
+        for index, copy in enumerate(copies):
+            message = copy.failed.message
+            identity = _identity(message)
+            if message.redelivered and identity in self._copies_lost:
+                del self._copies_lost[identity]
+                with copy.failed.logged():
+                    log.error(
+                        "message %s came back after its %s copy was lost with the channel; the "
+                        "broker dead-letters it as it is",
+                        message.message_id,
+                        copy.reason,
+                    )
+                    await self._reject_to_broker(message, copy.failed.failure, copy.reason)
+            else:
+                sending.append(index)
+        sent = await asyncio.gather(
+            *(copies[index].publish(topology.default_exchange) for index in sending),
+            return_exceptions=True,
+        )
+        for index, outcome in zip(sending, sent, strict=True):
+            if outcome is None:
+                confirmed[index] = True
+            elif not isinstance(outcome, Exception):
+                raise outcome  # cancelled: the shutdown's grace period is over
+            else:
+                with copies[index].failed.logged():
+                    await self._copy_failed(copies[index], outcome)
+        return confirmed
+
+    async def _copy_failed(self, copy: _Copy, exc: Exception) -> None:
+        """Settle the delivery whose copy ``exc`` kept from being confirmed (see ``_copies``)."""
+        message, failure, reason = copy.failed.message, copy.failed.failure, copy.reason
+        if isinstance(exc, aiormq.exceptions.PublishError):  # returned: no queue bound
+            await self._pause(
+                PauseReason.DEPLOYMENT,
+                f"the {reason} copy of a message is unroutable: {exc} (queue deleted?)",
             )
-            await self._reject_to_broker(message, failure, reason)
-            return False
-        try:
-            await publish(topology.default_exchange)
-        except Exception as exc:
-            if isinstance(exc, aiormq.exceptions.PublishError):  # returned: no queue bound
-                await self._pause(
-                    PauseReason.DEPLOYMENT,
-                    f"the {reason} copy of a message is unroutable: {exc} (queue deleted?)",
-                )
-                await self.requeue(message, failure.handler)
-                return False
-            if self._channel_lost(exc):
-                log.warning("the copy of message %s was lost: %r", message.message_id, exc)
-                self._copies_lost[identity] = None
-                while len(self._copies_lost) > LOST_COPIES_REMEMBERED:
-                    self._copies_lost.popitem(last=False)
-                await self.requeue(message, failure.handler)  # (void: the broker redelivers)
-                return False
-            log.exception(
-                "the broker refused the %s copy of message %s; it dead-letters it as it is",
-                reason,
-                message.message_id,
-            )
-            await self._reject_to_broker(message, failure, reason)
-            return False
-        return True
+            await self.requeue(message, failure.handler)
+            return
+        if self._channel_lost(exc):
+            log.warning("the copy of message %s was lost: %r", message.message_id, exc)
+            self._copies_lost[_identity(message)] = None
+            while len(self._copies_lost) > LOST_COPIES_REMEMBERED:
+                self._copies_lost.popitem(last=False)
+            await self.requeue(message, failure.handler)  # (void: the broker redelivers)
+            return
+        log.error(
+            "the broker refused the %s copy of message %s; it dead-letters it as it is",
+            reason,
+            message.message_id,
+            exc_info=exc,
+        )
+        await self._reject_to_broker(message, failure, reason)
 
     async def _reject_to_broker(
         self, message: AbstractIncomingMessage, failure: Failure, reason: Reason
@@ -326,10 +430,35 @@ class Failures:
                 format_duration(self.settings.failure_throttle_delay),
             )
 
-    async def _record_failure(self, envelope: Envelope, failure: Failure) -> None:
+    async def _record_failures(self, parked: Sequence[_Failed]) -> None:
+        """Record the keys of ``parked`` (each with an envelope) as failed, in one transaction
+        tried again in process while it fails transiently; if it cannot be, say so and go on
+        (their copies are parked: a redelivery of such a key runs again)."""
+        if not parked:
+            return
+        try:
+            await backoff.in_process(self.settings.transient_attempts, log)(
+                self._record_in_one_transaction, parked
+            )
+        except Exception as exc:
+            for failed in parked:
+                with failed.logged():
+                    log.error(
+                        "message %s is parked, but its key could not be recorded as failed; a "
+                        "redelivery of the key will run again",
+                        failed.message.message_id,
+                        exc_info=exc,
+                    )
+
+    async def _record_in_one_transaction(self, parked: Sequence[_Failed]) -> None:
         async with self.engine.begin() as conn:
-            await inbox.record_failure(
-                conn, envelope.claim, error=failure.error, attempts=failure.attempts
+            await inbox.record_failures(
+                conn,
+                [
+                    (failed.envelope.claim, failed.failure.error, failed.failure.attempts)
+                    for failed in parked
+                    if failed.envelope is not None
+                ],
             )
 
     async def _database_answers(self) -> bool:
