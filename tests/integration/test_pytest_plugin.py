@@ -49,22 +49,26 @@ async def test_a_reused_payment_is_parked(worker_harness):
 """
 
 
-def test_a_users_tests_need_only_the_fixtures(tmp_path: Path) -> None:
-    require_services()
-    (tmp_path / "pytest.ini").write_text(CONFIG)
-    (tmp_path / "test_payments.py").write_text(TESTS)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env |= {"WORKER_DATABASE_URL": BASE.database_url, "PYTHONPATH": str(ROOT)}
-
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
+def pytest_in(project: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """pytest run on ``project`` from inside it, as its owner would, with no ``WORKER_*``
+    variable but those of ``env``."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")} | env
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(project)],
+        cwd=project,
+        env=environ,
         capture_output=True,
         text=True,
         timeout=120,
         check=False,
     )
+
+
+def test_a_users_tests_need_only_the_fixtures(tmp_path: Path) -> None:
+    require_services()
+    (tmp_path / "pytest.ini").write_text(CONFIG)
+    (tmp_path / "test_payments.py").write_text(TESTS)
+    result = pytest_in(tmp_path, WORKER_DATABASE_URL=BASE.database_url, PYTHONPATH=str(ROOT))
 
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 passed" in result.stdout
@@ -73,15 +77,6 @@ def test_a_users_tests_need_only_the_fixtures(tmp_path: Path) -> None:
 def test_without_handler_modules_the_fixtures_say_what_to_set(tmp_path: Path) -> None:
     (tmp_path / "pytest.ini").write_text("[pytest]\nasyncio_mode = auto\n")
     (tmp_path / "test_x.py").write_text("def test_x(worker_router):\n    pass\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    result = pytest_in(tmp_path)
     assert result.returncode != 0
     assert "worker_handlers = your.module" in result.stdout + result.stderr
