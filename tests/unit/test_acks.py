@@ -79,39 +79,46 @@ async def test_channels_are_counted_apart() -> None:
     assert new.sent == [("ack", 2, True)]
 
 
-@dataclass
-class HeldDelivery(Delivery):
-    """A delivery whose ack is written (recorded) at once but completes only when ``held`` is
-    set, as an ack waits for the client's writer."""
+@dataclass(eq=False)
+class DyingConnection:
+    """A channel whose client queues at most ``room`` frames for a writer that never writes them
+    and, once the connection dies, fails the queued ones and refuses new ones: a settlement that
+    waits for room waits for ever (as aiormq's bounded write queue does)."""
 
-    held: asyncio.Event = field(default_factory=asyncio.Event)
+    room: int
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.slots = asyncio.Semaphore(self.room)
+
+
+@dataclass
+class QueuedDelivery:
+    channel: DyingConnection
+    delivery_tag: int
+    message_id: str = "m"
 
     async def ack(self, multiple: bool = False) -> None:
-        await super().ack(multiple)
-        await self.held.wait()
+        if self.channel.closed.is_set():
+            raise ConnectionError("closed")
+        await self.channel.slots.acquire()  # (never released: nothing is written)
+        await self.channel.closed.wait()
+        raise ConnectionError("closed while queued")
 
 
-async def test_the_single_acks_of_a_call_go_out_together_and_the_next_call_waits_for_them() -> None:
-    # Given tags 1-3 settled, and 5-7 committed while 4 is still running
-    channel, settlements = Channel(), Settlements()
-    await settlements.ack(deliveries(channel, 1, 2, 3))  # type: ignore[arg-type]
-    written = asyncio.Event()
-    singles = [HeldDelivery(channel, tag, held=written) for tag in (5, 6, 7)]
-
-    # When 5-7 are acked: each alone, all sent before any has been written
-    acking = asyncio.create_task(settlements.ack(singles))  # type: ignore[arg-type]
+async def test_acks_on_a_connection_that_dies_end_and_hold_up_nothing() -> None:
+    # Given five deliveries acked alone on a connection whose client queues two frames
+    channel, settlements = DyingConnection(room=2), Settlements()
+    queued = [QueuedDelivery(channel, tag) for tag in (2, 3, 4, 5, 6)]
+    acking = asyncio.create_task(settlements.ack(queued))  # type: ignore[arg-type]
     for _ in range(10):
         await asyncio.sleep(0)
-    assert channel.sent[1:] == [("ack", 5, False), ("ack", 6, False), ("ack", 7, False)]
 
-    # Then a later call, which could cover them with a multiple-ack, waits until they are written
-    later = asyncio.create_task(settlements.ack(deliveries(channel, 4, 8)))  # type: ignore[arg-type]
-    for _ in range(10):
-        await asyncio.sleep(0)
-    assert len(channel.sent) == 4
-    written.set()
-    await asyncio.gather(acking, later)
-    assert channel.sent[4:] == [("ack", 8, True)]
+    # When the connection dies, Then the call ends (its tags are void: the broker redelivers)
+    channel.closed.set()
+    await asyncio.wait_for(acking, 10)
+    # And the next settlement is not held up behind it
+    await asyncio.wait_for(settlements.ack([QueuedDelivery(channel, 7)]), 10)  # type: ignore[list-item]
 
 
 def receiving(channel: Channel, settlements: Settlements, *tags: int) -> list[Delivery]:

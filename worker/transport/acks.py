@@ -16,10 +16,10 @@ their own: a later run goes on through them), never past a delivery the client d
 other committed delivery is acked on its own. An ack is still sent only after the commit;
 holding it only delays it, never past the settling of what is below it.
 
-Settlements are issued one call at a time, in order: a call's multiple-ack is written before its
-single acks, and all of them before the next call's first, so none overtakes another. The single
-acks of one call are sent together rather than each after the last was written: each settles
-only its own tag, which no other settlement of the call covers, so their order is free.
+Settlements are issued one at a time, in order, each after the last was written, so none
+overtakes another. (Not together: the client's write queue is bounded, and on a connection that
+dies with settlements still queued, one waiting for room there would wait for ever, holding up
+every settlement after it.)
 """
 
 from __future__ import annotations
@@ -184,7 +184,8 @@ class Settlements:
         for tag, _ in alone:
             state.settled(tag)
             del state.held[tag]
-        await asyncio.gather(*(_issue(message.ack()) for _, message in alone))
+        for _, message in alone:
+            await _issue(message.ack())
 
 
 def _channel_of(message: AbstractIncomingMessage) -> Any:
