@@ -515,8 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
         commands,
         "demo",
         _demo,
-        "publish demo payment requests for the payments example",
-        "Publish payment.requested messages, some of them duplicates.",
+        "run the handler modules' demo hooks (the payments example's: payment requests)",
+        "Run the `demo` hook of each handler module (default: examples.payments, whose hook "
+        "publishes payment.requested messages, some of them duplicates, and prints the balances "
+        "to expect).",
     )
     demo.add_argument("--count", type=int, default=100, help="messages to send (default 100)")
     demo.add_argument(
