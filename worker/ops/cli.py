@@ -764,11 +764,16 @@ def _verbose(parser: argparse.ArgumentParser) -> None:
 
 
 async def _with_broker(
-    settings: Settings, action: Callable[[AbstractRobustConnection], Awaitable[_T]]
+    settings: Settings,
+    action: Callable[[AbstractRobustConnection], Awaitable[_T]],
+    *,
+    name: str = "worker-dlq",
 ) -> _T:
+    """``action`` on a broker connection named ``name``, retried while the broker starts, closed
+    afterwards."""
     from worker.ops.runner import connect_broker
 
-    connection = await connect_broker(settings, name="worker-dlq")
+    connection = await connect_broker(settings, name=name)
     try:
         return await action(connection)
     finally:
@@ -967,12 +972,17 @@ def _asyncapi(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _declare(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.transport.topology import declare_once
+    from worker.transport.topology import declare_topology
 
     routing_keys = load_routers(
         settings.handlers, include_installed=settings.installed_handlers
     ).routing_keys()
-    asyncio.run(declare_once(settings, routing_keys))
+
+    async def declare(connection: AbstractRobustConnection) -> None:
+        async with connection.channel() as channel:
+            await declare_topology(channel, settings, routing_keys)
+
+    asyncio.run(_with_broker(settings, declare, name="worker-declare"))
     log.info(
         "declared exchange %r, queue %r bound to %s, %r and %d retry queue(s)",
         settings.exchange,

@@ -17,16 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aio_pika import ExchangeType
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractExchange,
-    AbstractQueue,
-    AbstractRobustConnection,
-)
+from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 
-from worker.backoff import while_starting
 from worker.settings import Settings, format_duration
-from worker.transport.connection import connect
 
 
 @dataclass(frozen=True)
@@ -84,16 +77,6 @@ async def declare_topology(
         for delay in settings.retry_delays
     ]
     return Topology(channel, exchange, queue, dlx, dlq, tuple(retry_queues))
-
-
-async def declare_once(settings: Settings, routing_keys: Iterable[str]) -> None:
-    """Connect, declare the topology for ``routing_keys``, disconnect (``worker declare``);
-    retried while the broker is starting."""
-    connection: AbstractRobustConnection = await while_starting()(
-        connect, settings.amqp_url, name="worker-declare"
-    )
-    async with connection, connection.channel() as channel:
-        await declare_topology(channel, settings, routing_keys)
 
 
 def worker_queues(settings: Settings) -> list[tuple[str, str]]:
