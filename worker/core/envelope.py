@@ -135,10 +135,19 @@ def check_properties(delivery: Delivery) -> None:
         ("correlation_id", delivery.correlation_id),
         (CORRELATION_HEADER, header if isinstance(header, str) else None),
     ):
-        if value is not None and ("\x00" in value or len(value) > MAX_KEY_LENGTH):
-            raise InvalidProperty(
-                f"{name} contains a NUL character or is longer than {MAX_KEY_LENGTH} characters"
-            )
+        if value is not None and not storable_text(value):
+            raise InvalidProperty(unstorable(name))
+
+
+def storable_text(value: str) -> bool:
+    """Whether an identifier the inbox and outbox keep as text (a message id, a correlation id,
+    an ordering key) can be stored: no NUL character, at most ``MAX_KEY_LENGTH`` characters."""
+    return "\x00" not in value and len(value) <= MAX_KEY_LENGTH
+
+
+def unstorable(name: str) -> str:
+    """Why ``name`` failed ``storable_text``."""
+    return f"{name} contains a NUL character or is longer than {MAX_KEY_LENGTH} characters"
 
 
 def key_or_none(delivery: Delivery) -> str | None:

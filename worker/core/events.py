@@ -17,7 +17,7 @@ from typing import Any
 
 from worker import tracing
 from worker.core.codec import JSON_CONTENT_TYPE, encode_json, to_jsonable
-from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, MAX_KEY_LENGTH, check_key
+from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, check_key, storable_text, unstorable
 from worker.errors import InvalidKey
 from worker.sql.rows import OutboxMessage
 
@@ -112,7 +112,5 @@ def _check_short_string(name: str, value: object, *, empty_ok: bool = False) -> 
 def _check_text(name: str, value: object) -> None:
     if not isinstance(value, str):
         raise TypeError(f"{name} must be a string, not {type(value).__name__}")
-    if len(value) > MAX_KEY_LENGTH or "\x00" in value:
-        raise ValueError(
-            f"{name} contains a NUL character or is longer than {MAX_KEY_LENGTH} characters"
-        )
+    if not storable_text(value):
+        raise ValueError(unstorable(name))
