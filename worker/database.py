@@ -2,8 +2,9 @@
 
 Every engine comes from ``engine_for``, so each one reads ``WORKER_DATABASE_URL`` the same way
 (libpq's ``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``, ``sslcrl`` and ``sslpassword``
-mean what they mean to ``psql``) and none ever writes a statement's parameters, which are
-business data, into an error message (``hide_parameters``).
+mean what they mean to ``psql``; several hosts and ``target_session_attrs`` too) and none ever
+writes a statement's parameters, which are business data, into an error message
+(``hide_parameters``).
 """
 
 from __future__ import annotations
@@ -36,9 +37,19 @@ SSL_PARAMETERS = frozenset(
 ``sslmode``, as SQLAlchemy's asyncpg documentation spells it)."""
 
 PASSED_THROUGH = frozenset(
-    {"prepared_statement_cache_size", "target_session_attrs", "passfile", "krbsrvname", "gsslib"}
+    {
+        "prepared_statement_cache_size",
+        "target_session_attrs",
+        "passfile",
+        "krbsrvname",
+        "gsslib",
+        "host",
+        "port",
+    }
 )
-"""URL query parameters handed to asyncpg as they are."""
+"""URL query parameters handed to asyncpg as they are (``host`` and ``port``: several hosts as
+libpq's ``?host=h1,h2&port=p1,p2``, the form ``Settings.sqlalchemy_url`` writes
+``postgresql://u@h1:p1,h2:p2/db`` in)."""
 
 
 def engine_for(
