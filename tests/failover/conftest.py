@@ -9,6 +9,7 @@ skipped, unless ``CI`` is set: there they must run, so they fail.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import subprocess
@@ -17,8 +18,10 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 import aio_pika
+import asyncpg
 import pytest
 
+from tests.helpers import wait_until
 from tests.integration.support import BASE, EXAMPLES, ROOT, TEST_RETRY_DELAYS, require_services
 from worker.settings import Settings
 from worker.testing import scratch_database
@@ -62,6 +65,26 @@ class Pair:
         """One server of the pair, whatever its role (a standby answers reads)."""
         return f"postgresql://postgres@127.0.0.1:{port}/{database}"
 
+    async def replayed(self) -> None:
+        """Return once the standby has applied all the primary wrote so far: a commit returns
+        when the standby has flushed it (``synchronous_commit=on``), before it is visible there
+        (that would be ``remote_apply``)."""
+        primary = await asyncpg.connect(self.direct_url(self.first_primary, "postgres"))
+        try:
+            written = await primary.fetchval("SELECT pg_current_wal_lsn()::text")
+        finally:
+            await primary.close()
+        standby = await asyncpg.connect(self.direct_url(self.first_standby, "postgres"))
+        try:
+
+            async def applied() -> bool:
+                lsn = "SELECT pg_last_wal_replay_lsn() >= $1::text::pg_lsn"
+                return bool(await standby.fetchval(lsn, written))
+
+            await wait_until(applied, timeout=30)
+        finally:
+            await standby.close()
+
 
 @pytest.fixture(scope="session")
 def pair() -> Iterator[Pair]:
@@ -94,6 +117,7 @@ def failover_settings(pair: Pair) -> Iterator[Settings]:
         http_port=0,
     )
     with scratch_database(base, EXAMPLES, prefix="worker_failover") as scratch:
+        asyncio.run(pair.replayed())  # (the tests read the standby too)
         yield scratch
 
 
