@@ -13,11 +13,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import asyncpg
+import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.core.envelope import Delivery, Envelope, open_envelope
 from worker.core.router import Router
+from worker.errors import NoPrimary
 from worker.settings import Settings, format_duration
 
 
@@ -164,3 +167,44 @@ def run(*argv: str | Path, **extra_env: str) -> subprocess.CompletedProcess[str]
         timeout=60,
         check=False,
     )
+
+
+def _raised_from(cause: BaseException) -> Exception:
+    """``cause`` as the cause of a ``RuntimeError`` (``raise ... from cause``)."""
+    try:
+        raise RuntimeError("wrapper") from cause
+    except RuntimeError as exc:
+        return exc
+
+
+def _as_sqlalchemy_raises(cause: BaseException) -> Exception:
+    """``cause`` wrapped as SQLAlchemy's asyncpg dialect raises a driver error."""
+    wrapped = sqlalchemy.exc.InternalError("SELECT 1", None, cause)
+    wrapped.__cause__ = cause
+    return wrapped
+
+
+FAILOVER_ERRORS = [
+    # the primary stops: its backends are terminated, or the server crashes
+    asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
+    asyncpg.exceptions.CrashShutdownError("terminating connection because of crash"),
+    # a server starting up, shutting down, or still in recovery refuses the connection
+    asyncpg.exceptions.CannotConnectNowError("the database system is shutting down"),
+    # every host refuses: the stopped primary, and nothing else listed
+    ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5441)"),
+    # the hosts that answer are standbys: none matches target_session_attrs=read-write
+    asyncpg.exceptions.TargetServerAttributeNotMatched(
+        "None of the hosts match the target attribute requirement read-write"
+    ),
+    _as_sqlalchemy_raises(
+        asyncpg.exceptions.TargetServerAttributeNotMatched("None of the hosts match")
+    ),
+    # a write on a server that became read-only (demoted, default_transaction_read_only)
+    asyncpg.exceptions.ReadOnlySQLTransactionError(
+        "cannot execute INSERT in a read-only transaction"
+    ),
+    _raised_from(asyncpg.exceptions.ReadOnlySQLTransactionError("read-only")),
+    # the worker's own probe: PostgreSQL answers, but takes no writes
+    NoPrimary(),
+]
+"""What the worker meets while no primary answers, raised as the driver raises it."""

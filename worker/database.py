@@ -2,8 +2,13 @@
 
 Every engine comes from ``engine_for``, so each one reads ``WORKER_DATABASE_URL`` the same way
 (libpq's ``sslmode``, ``sslrootcert``, ``sslcert``, ``sslkey``, ``sslcrl`` and ``sslpassword``
-mean what they mean to ``psql``) and none ever writes a statement's parameters, which are
-business data, into an error message (``hide_parameters``).
+mean what they mean to ``psql``; several hosts and ``target_session_attrs`` too) and none ever
+writes a statement's parameters, which are business data, into an error message
+(``hide_parameters``). A pooled connection is checked at every checkout, with no round trip:
+one asyncpg knows to be closed is replaced, and, when the URL asks for a writable server
+(``target_session_attrs=read-write`` or ``primary``), so is one whose server has since reported
+itself read-only, with every connection pooled before it; the new one goes to the primary, if
+one answers.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from worker.errors import ConfigurationError, refusals_explained
+from worker.errors import ConfigurationError, NoPrimary, refusals_explained
 from worker.settings import Settings
 from worker.sql import maintenance
 
@@ -36,9 +43,26 @@ SSL_PARAMETERS = frozenset(
 ``sslmode``, as SQLAlchemy's asyncpg documentation spells it)."""
 
 PASSED_THROUGH = frozenset(
-    {"prepared_statement_cache_size", "target_session_attrs", "passfile", "krbsrvname", "gsslib"}
+    {
+        "prepared_statement_cache_size",
+        "target_session_attrs",
+        "passfile",
+        "krbsrvname",
+        "gsslib",
+        "host",
+        "port",
+    }
 )
-"""URL query parameters handed to asyncpg as they are."""
+"""URL query parameters handed to asyncpg as they are (``host`` and ``port``: several hosts as
+libpq's ``?host=h1,h2&port=p1,p2``, the form ``Settings.sqlalchemy_url`` writes
+``postgresql://u@h1:p1,h2:p2/db`` in)."""
+
+WRITABLE_TARGETS = {
+    "read-write": ("default_transaction_read_only", "in_hot_standby"),
+    "primary": ("in_hot_standby",),
+}
+"""The ``target_session_attrs`` that ask for a writable server, and the parameters a server
+reports (PostgreSQL 14 and later) that, ``on``, say it is not one."""
 
 
 def engine_for(
@@ -48,7 +72,31 @@ def engine_for(
     TLS options), with statement parameters hidden from its errors; ``pool`` sizes its pool."""
     url, connect_args = connect_options(sqlalchemy_url)
     connect_args["server_settings"] = {"application_name": application_name}
-    return create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
+    engine = create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
+    target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
+    read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
+    event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
+    return engine
+
+
+def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, Any, Any], None]:
+    """A pool checkout hook that refuses a pooled connection asyncpg knows to be closed (its
+    server went away; a statement sent on the driver directly would not have told the pool),
+    and one whose server has reported one of ``read_only_when`` as ``on`` since it connected (a
+    server reports a change with its next answer): then every connection pooled before it is
+    dropped too. The pool opens a new one instead, through ``target_session_attrs``. No round
+    trip: it reads what asyncpg already knows."""
+
+    def refuse(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
+        driver = dbapi_connection.driver_connection
+        if driver.is_closed():
+            raise DisconnectionError("the connection was closed")
+        reported = driver.get_settings()
+        for parameter in read_only_when:
+            if getattr(reported, parameter, "off") == "on":
+                raise InvalidatePoolError(f"the server reports {parameter}=on: not a primary")
+
+    return refuse
 
 
 def create_engine(
@@ -183,7 +231,12 @@ async def check_durable_commits(engine: AsyncEngine) -> None:
 
 
 async def probe(engine: AsyncEngine, *, within: float = PROBE_TIMEOUT) -> None:
-    """``SELECT 1`` on a pooled connection within ``within`` seconds; raises when PostgreSQL does
-    not answer (the one check behind the consumer's pause, ``/healthz`` and ``worker verify``)."""
+    """Ask a pooled connection, within ``within`` seconds, whether its server takes writes;
+    raises when PostgreSQL does not answer, and ``NoPrimary`` when it answers read-only (a
+    standby, a server made read-only), after dropping that connection so that the next one is
+    opened anew (through ``target_session_attrs``, to the primary if one answers). The one
+    check behind the consumer's pause, ``/healthz`` and ``worker verify``."""
     async with asyncio.timeout(within), engine.connect() as conn:
-        await maintenance.ping(conn)
+        if not await maintenance.takes_writes(conn):
+            await conn.invalidate()
+            raise NoPrimary()

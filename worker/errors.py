@@ -179,6 +179,10 @@ class Retryable(WorkerError):
     """
 
 
+class NoPrimary(Retryable):
+    """PostgreSQL answers but takes no writes (a standby or a read-only server): no primary."""
+
+
 _TRANSIENT_SQLSTATES = frozenset(
     {
         "40001",  # serialization_failure
@@ -188,8 +192,12 @@ _TRANSIENT_SQLSTATES = frozenset(
         "57P02",  # crash_shutdown
         "57P03",  # cannot_connect_now
         "53300",  # too_many_connections
+        "25006",  # read_only_sql_transaction: a write on a server that became read-only
     }
 )
+"""SQLSTATEs a later attempt may not meet. A failover brings 57P01 and 57P02 (the stopping
+primary cuts its connections), 57P03 (a server starting or shutting down) and 25006 (a write on
+a server that no longer takes writes)."""
 
 
 _CLOSED_BY_AIO_PIKA = re.compile(
@@ -226,7 +234,8 @@ privilege — the schema or the grants do not match the code, whatever the messa
 def classify(exc: BaseException) -> Fault:
     """Whose fault ``exc`` (or what it wraps) is: the one place that decides.
 
-    Connection loss, timeouts, serialization failures, deadlocks and ``Retryable`` are transient,
+    Connection loss, timeouts, serialization failures, deadlocks, no primary (a write refused as
+    read-only, no host matching ``target_session_attrs``) and ``Retryable`` are transient,
     and so is a refusal (``refusal``: a rotated password, an expired certificate) once running;
     a PostgreSQL error of SQLSTATE class 42 is the deployment's; everything else (a bug in a
     handler, a constraint violation, bad input, ``Permanent`` anywhere in the chain before a
@@ -285,6 +294,8 @@ def _transient_by_type(current: BaseException) -> bool:
         return True  # aiormq / aio-pika: "<Connection …> closed" while it reconnects
     if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
         return True
+    if isinstance(current, asyncpg.exceptions.TargetServerAttributeNotMatched):
+        return True  # every host answered, none as target_session_attrs asks: no primary yet
     if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:
         return True
     return isinstance(current, sqlalchemy.exc.TimeoutError)

@@ -219,7 +219,9 @@ class Settings:
         str,
         Group.DEPLOYMENT,
         "PostgreSQL URL, `postgresql://user:pass@host:port/db` (asyncpg driver); libpq's TLS "
-        "options go in its query (see TLS and authentication)",
+        "options go in its query (see TLS and authentication). Several hosts, tried in turn, "
+        "for a failover: `postgresql://user@host1:port1,host2:port2/db"
+        "?target_session_attrs=read-write` (see PostgreSQL failover)",
     )
     amqp_url: str = setting(
         "amqp://guest:guest@localhost:5672/",
@@ -530,11 +532,43 @@ class Settings:
 
     @property
     def sqlalchemy_url(self) -> str:
-        """``database_url`` with the asyncpg driver named, as SQLAlchemy needs it."""
+        """``database_url`` as SQLAlchemy needs it: the asyncpg driver named, and several hosts
+        (``postgresql://u@h1:p1,h2:p2/db``, libpq's form) moved into the query
+        (``?host=h1,h2&port=p1,p2``, which SQLAlchemy's asyncpg dialect reads)."""
         scheme, rest = self.database_url.split("://", 1)
         if scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
-            return f"postgresql+asyncpg://{rest}"
+            return f"postgresql+asyncpg://{_hosts_in_query(rest)}"
         raise ConfigurationError(f"database_url must be a postgresql:// URL, not {scheme}://")
+
+
+DEFAULT_DATABASE_PORT = "5432"
+"""The port of a host listed without one in a multi-host ``database_url`` (libpq's default)."""
+
+
+def _hosts_in_query(rest: str) -> str:
+    """``rest`` (a PostgreSQL URL after ``scheme://``) with a comma-separated host list moved
+    from its authority into its query as ``host=h1,h2&port=p1,p2`` (IPv6 addresses without
+    their brackets); one host leaves it unchanged."""
+    parts = urlsplit("//" + rest)
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    if "," not in hosts:
+        return rest
+    names, ports = [], []
+    for host in hosts.split(","):
+        if host.startswith("["):
+            name, _, port = host[1:].partition("]")
+            port = port.removeprefix(":")
+        else:
+            name, _, port = host.partition(":")
+        if not name:
+            raise ConfigurationError(f"database_url: an empty host in the host list {hosts!r}")
+        names.append(name)
+        ports.append(port or DEFAULT_DATABASE_PORT)
+    query = "&".join(
+        filter(None, [f"host={','.join(names)}", f"port={','.join(ports)}", parts.query])
+    )
+    fragment = f"#{parts.fragment}" if parts.fragment else ""
+    return f"{userinfo}{at}{parts.path or '/'}?{query}{fragment}"
 
 
 @dataclass(frozen=True)

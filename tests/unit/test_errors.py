@@ -5,7 +5,8 @@ from __future__ import annotations
 import aiormq.exceptions
 import pytest
 
-from worker.errors import HandlerFailed, Retryable, is_transient
+from tests.helpers import FAILOVER_ERRORS
+from worker.errors import Fault, HandlerFailed, Retryable, classify, is_transient
 
 
 class _SqlState(Exception):
@@ -58,3 +59,8 @@ def test_outages_and_conflicts_are_transient(exc: BaseException) -> None:
 )
 def test_bugs_and_bad_data_are_permanent(exc: BaseException) -> None:
     assert not is_transient(exc)
+
+
+@pytest.mark.parametrize("exc", FAILOVER_ERRORS, ids=lambda exc: type(exc).__name__)
+def test_no_primary_is_transient_never_the_messages_fault(exc: BaseException) -> None:
+    assert classify(exc) is Fault.TRANSIENT

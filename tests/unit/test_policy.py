@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.helpers import FAILOVER_ERRORS
 from worker.core.envelope import Delivery
 from worker.core.policy import (
     Decision,
@@ -134,6 +135,19 @@ def test_decide(
     exc: BaseException, facts: FailureFacts, settings: PolicySettings, expected: Decision
 ) -> None:
     assert decide(exc, facts, settings) == expected
+
+
+@pytest.mark.parametrize("exc", FAILOVER_ERRORS, ids=lambda exc: type(exc).__name__)
+@pytest.mark.parametrize("attempt", [1, 3, 10])
+def test_a_failover_pauses_whatever_the_attempt_and_parks_nothing(
+    exc: BaseException, attempt: int
+) -> None:
+    # Given a failure of a failover, tries in process left: Then try again in process
+    assert decide(exc, FailureFacts(attempt=attempt, tries=1), POLICY) == RetryInProcess(0.1)
+    # Given the tries spent and no primary answering the probe: Then pause, even on a delivery
+    # whose delayed retries are spent (it would otherwise be parked as retries-exhausted)
+    spent = FailureFacts(attempt=attempt, tries=3, database_answers=False)
+    assert decide(exc, spent, POLICY) == Pause(PauseReason.DATABASE_UNREACHABLE)
 
 
 @pytest.mark.parametrize(

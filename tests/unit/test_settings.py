@@ -114,6 +114,17 @@ def test_a_shown_default_parses_back_to_the_default(spec: Field) -> None:
         ("postgres://u:p@h:5432/db", "postgresql+asyncpg://u:p@h:5432/db"),
         ("postgresql://u:p@h:5432/db", "postgresql+asyncpg://u:p@h:5432/db"),
         ("postgresql+asyncpg://h/db", "postgresql+asyncpg://h/db"),
+        # several hosts (libpq's form) go into the query, where SQLAlchemy's dialect reads them
+        (
+            "postgresql://u:p@10.0.0.1:5441,10.0.0.2:5442/db?target_session_attrs=read-write",
+            "postgresql+asyncpg://u:p@/db?host=10.0.0.1,10.0.0.2&port=5441,5442"
+            "&target_session_attrs=read-write",
+        ),
+        # a host without a port gets libpq's default; an IPv6 address loses its brackets
+        (
+            "postgresql://db1,[::1]:6432/app",
+            "postgresql+asyncpg:///app?host=db1,::1&port=5432,6432",
+        ),
     ],
 )
 def test_sqlalchemy_url_names_asyncpg(url: str, expected: str) -> None:
@@ -137,8 +148,24 @@ def test_redact_hides_a_password_containing_at_signs() -> None:
     assert redacted == "amqp://guest:***@rabbit:5672/vhost"
 
 
+def test_sqlalchemy_url_refuses_an_empty_host_in_a_list() -> None:
+    with pytest.raises(ConfigurationError, match="empty host"):
+        _ = Settings(database_url="postgresql://u@db1,,db2/app").sqlalchemy_url
+
+
+def test_redact_hides_the_password_of_a_url_with_several_hosts() -> None:
+    redacted = redact("postgresql://alice:s3cret@db1:5441,db2:5442/app?target_session_attrs=any")
+    assert redacted == "postgresql://alice:***@db1:5441,db2:5442/app?target_session_attrs=any"
+
+
 @pytest.mark.parametrize(
-    "url", ["postgresql://alice@db:5432/app", "amqp://rabbit:5672/", "postgresql:///app"]
+    "url",
+    [
+        "postgresql://alice@db:5432/app",
+        "amqp://rabbit:5672/",
+        "postgresql:///app",
+        "postgresql://alice@db1:5441,db2:5442/app?target_session_attrs=read-write",
+    ],
 )
 def test_redact_leaves_a_url_without_password_as_it_is(url: str) -> None:
     assert redact(url) == url

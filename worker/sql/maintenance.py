@@ -26,9 +26,11 @@ async def applied_revisions(conn: AsyncConnection, version_table: str) -> frozen
     return frozenset((await conn.execute(select(versions.c.version_num))).scalars())
 
 
-async def ping(conn: AsyncConnection) -> None:
-    """One round trip to the server: raises when PostgreSQL does not answer."""
-    await conn.execute(select(1))
+async def takes_writes(conn: AsyncConnection) -> bool:
+    """One round trip to the server (raises when PostgreSQL does not answer): whether this
+    session's transactions may write, False on a standby or a server made read-only."""
+    read_only = await conn.scalar(select(func.current_setting("transaction_read_only")))
+    return read_only == "off"
 
 
 async def synchronous_commit(conn: AsyncConnection) -> str:
