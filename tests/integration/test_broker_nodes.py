@@ -7,10 +7,12 @@ reconnects to the next node of the list instead of retrying the one it lost.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
 from urllib.parse import urlsplit
 
 import aio_pika
+import pytest
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -18,7 +20,7 @@ from examples.payments import router as payments
 from tests.helpers import free_port, payment, scalar, wait_until
 from tests.integration.support import BASE, publish, running_worker
 from tests.integration.tcp_proxy import tcp_proxy
-from worker.settings import Settings
+from worker.settings import Settings, redact
 from worker.transport.connection import connect
 
 
@@ -50,7 +52,10 @@ async def test_a_list_whose_first_node_is_dead_connects_to_the_live_one() -> Non
         await connection.close()
 
 
-async def test_a_lost_connection_reconnects_to_the_next_node_not_the_lost_one() -> None:
+async def test_a_lost_connection_reconnects_to_the_next_node_not_the_lost_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="worker.transport.connection")
     main = urlsplit(BASE.amqp_url)
     async with tcp_proxy(main.hostname or "127.0.0.1", main.port or 5672) as proxy:
         # Given a connection through a proxy, the first of three nodes: proxy, dead, main
@@ -71,6 +76,10 @@ async def test_a_lost_connection_reconnects_to_the_next_node_not_the_lost_one() 
             assert await round_trip(connection) == b"here"
         finally:
             await connection.close()
+    said = [r.getMessage() for r in caplog.records if r.name == "worker.transport.connection"]
+    assert said[0].startswith(f"broker connection 'test-nodes' to {redact(nodes[0])} lost (")
+    assert said[0].endswith(f"; reconnecting to {redact(nodes[1])}")
+    assert said[-1] == f"broker connection 'test-nodes' reconnected to {redact(BASE.amqp_url)}"
 
 
 async def test_the_worker_runs_with_a_dead_node_first_in_its_list(

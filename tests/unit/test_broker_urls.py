@@ -62,7 +62,7 @@ def test_redact_hides_the_password_of_every_url_of_a_list() -> None:
 
 async def test_each_failed_attempt_moves_the_next_one_on_to_the_next_node() -> None:
     ports = [free_port() for _ in range(3)]
-    connection = _Connection([f"amqp://guest:guest@127.0.0.1:{port}/" for port in ports])
+    connection = _Connection([f"amqp://guest:guest@127.0.0.1:{port}/" for port in ports], "test")
     tried = []
     try:
         for _ in range(4):

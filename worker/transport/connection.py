@@ -41,14 +41,15 @@ log = logging.getLogger(__name__)
 
 
 class _Connection(aio_pika.RobustConnection):
-    """A robust connection over the nodes ``urls`` (tried from the first): it closes itself
-    when connecting fails, and each time a connection is lost or an attempt fails, the next
-    attempt goes to the next node."""
+    """A robust connection over the nodes ``urls`` (tried from the first), named ``name``: it
+    closes itself when connecting fails, and each time a connection is lost or an attempt fails,
+    the next attempt goes to the next node. A lost connection and a reconnect are logged."""
 
-    def __init__(self, urls: Sequence[str], **kwargs: Any) -> None:
+    def __init__(self, urls: Sequence[str], name: str) -> None:
         self._nodes = tuple(URL(url) for url in urls)
         self._node = 0
-        super().__init__(self._nodes[0], **kwargs)
+        self._name = name
+        super().__init__(self._nodes[0], client_properties={"connection_name": name})
 
     async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
         try:
@@ -59,15 +60,39 @@ class _Connection(aio_pika.RobustConnection):
             raise
 
     async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
+        lost = self.connected.is_set() and not self._close_called  # (not a failed attempt)
         try:
-            await super()._on_connection_close(closing)  # (logs the node that was lost)
+            await super()._on_connection_close(closing)
         finally:
-            self._next_node()
+            node = self._next_node()
+        if lost:
+            log.warning(
+                "broker connection %r to %s lost (%s); reconnecting to %s",
+                self._name,
+                redact(str(self._nodes[node - 1])),
+                _reason(closing),
+                redact(str(self.url)),
+            )
 
-    def _next_node(self) -> None:
-        """Point the next attempt at the next node, round robin."""
+    async def _on_connected(self) -> None:
+        reconnect = self.connection_attempt > 0
+        await super()._on_connected()  # (restores the channels, then calls reconnect_callbacks)
+        if reconnect:
+            log.info("broker connection %r reconnected to %s", self._name, redact(str(self.url)))
+
+    def _next_node(self) -> int:
+        """Point the next attempt at the next node, round robin; returns its index."""
         self._node = (self._node + 1) % len(self._nodes)
         self.url = self._nodes[self._node]
+        return self._node
+
+
+def _reason(closing: asyncio.Future[Any]) -> str:
+    """Why a connection closed, from the future aio-pika hands its close callbacks."""
+    if closing.cancelled():
+        return "closed"
+    error = closing.exception()
+    return repr(error) if error is not None else "closed"
 
 
 async def connect(
@@ -98,6 +123,6 @@ async def connect(
 
 async def _open(urls: Sequence[str], name: str, within: float | None) -> _Connection:
     """A robust connection over ``urls``, opened on the first of them."""
-    connection = _Connection(urls, client_properties={"connection_name": name})
+    connection = _Connection(urls, name)
     await connection.connect(timeout=within)
     return connection
