@@ -137,6 +137,7 @@ SCENARIOS = (
     "b",
     "c",
     "c-sa",
+    "c-q",
     "poison",
     "plain",
     "processes",
@@ -228,6 +229,7 @@ TARGETS = (
     Target("e", "bare", 1.0),
     Target("c+", "c", 0.9),
     Target("c", "c-sa", 0.0),
+    Target("c-q", "c", 0.0),
     Target("n2", "n1", 0.0),
     Target("a-uv", "a", 0.0),
     Target("c-uv", "c", 0.0),
@@ -595,6 +597,12 @@ def worker_sqlalchemy_handler(bench: Bench) -> Awaitable[Timing]:
     router = Router()
     router.batch_handler(REQUESTED)(settle_payments_with_sqlalchemy)
     return _worker_relay_off(bench, "c-sa", router=router)
+
+
+def worker_on_quorum_queues(bench: Bench) -> Awaitable[Timing]:
+    """(c-q) As (c), with ``queue_type`` quorum: the work queue replicated (one node here) and
+    written to disk for every message."""
+    return _worker_relay_off(bench, "c-q", queue_type="quorum")
 
 
 def poisoned_messages(bench: Bench, share: float) -> list[aio_pika.Message]:
@@ -1002,6 +1010,7 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("b", "naive asyncpg, 1 tx per message", naive_consume),
     ("c", "worker, relay off", worker_relay_off),
     ("c-sa", "worker, handler via SQLAlchemy Core", worker_sqlalchemy_handler),
+    ("c-q", "worker, relay off, quorum queues", worker_on_quorum_queues),
     ("p1", "worker, 1 % poison", worker_poisoned(0.01)),
     ("p10", "worker, 10 % poison", worker_poisoned(0.10)),
     ("plain", "worker, plain handler (2 stmts/msg)", worker_plain_handler),

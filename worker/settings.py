@@ -176,6 +176,18 @@ def broker_url_list(raw: str) -> str:
     return ",".join(urls)
 
 
+QUEUE_TYPES = ("classic", "quorum")
+"""The queue types ``queue_type`` may name."""
+
+
+def queue_type(raw: str) -> str:
+    """``classic`` or ``quorum``, in any case."""
+    value = raw.strip().lower()
+    if value not in QUEUE_TYPES:
+        raise ValueError(f"must be one of {', '.join(QUEUE_TYPES)}, not {raw!r}")
+    return value
+
+
 def _handler_list(raw: str) -> tuple[str, ...]:
     """A comma-separated list of names, blanks dropped."""
     return tuple(part.strip() for part in raw.split(",") if part.strip())
@@ -253,6 +265,22 @@ class Settings:
         str,
         Group.DEPLOYMENT,
         "durable work queue; dead letters go to `<queue>.dlx` → `<queue>.dlq`",
+    )
+    queue_type: str = setting(
+        "classic",
+        queue_type,
+        Group.DEPLOYMENT,
+        "`classic` or `quorum`: the type of the work queue, its delayed-retry queues and the "
+        "dead-letter queue (quorum: replicated on a cluster, dead-lettered at least once, with "
+        "`delivery_limit`); an existing deployment changes type with `worker convert-queues`",
+    )
+    delivery_limit: int = setting(
+        20,
+        non_negative_int,
+        Group.DEPLOYMENT,
+        "quorum queues only: deliveries of a message that ended without a settlement (its "
+        "worker died holding it) after which the broker dead-letters it as `delivery-limit`; "
+        "`0` for none",
     )
     prefetch: int = setting(
         400,

@@ -23,6 +23,8 @@ DEPLOYMENT = {
     "amqp_url": "amqp://u@mq/",
     "exchange": "ex",
     "queue": "q",
+    "queue_type": "quorum",
+    "delivery_limit": "5",
     "handlers": "examples.payments",
     "installed_handlers": "false",
     "log_level": "DEBUG",

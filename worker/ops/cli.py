@@ -66,6 +66,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "health": (*EVERY_COMMAND, Group.ENDPOINT),
     "migrate": (*EVERY_COMMAND, Group.RETRIES),
     "declare": (*EVERY_COMMAND, Group.RETRIES),
+    "convert-queues": (*EVERY_COMMAND, Group.RETRIES),
     "asyncapi": EVERY_COMMAND,
     "demo": (*EVERY_COMMAND, Group.RETRIES),
 }
@@ -509,6 +510,19 @@ def build_parser() -> argparse.ArgumentParser:
         "of the handler modules, the dead-letter exchange and queue, and the delayed-retry "
         "queues, as `worker run` does at start; idempotent. Producers may then publish before "
         "any worker runs.",
+    )
+    command(
+        commands,
+        "convert-queues",
+        _convert_queues,
+        "declare the queues anew as queue_type says, moving their messages (workers stopped)",
+        "For an existing deployment whose queues were declared otherwise (classic queues, say, "
+        "with queue_type now quorum, or another delivery_limit): each queue the broker refuses "
+        "to declare as the settings say is emptied into a holding queue `<queue>.moving` bound "
+        "as it is, deleted, declared anew, and refilled, every message acked only after its "
+        "copy was confirmed. Delayed retries wait their whole delay again. Stop the workers "
+        "first (a queue with consumers is refused); producers may go on publishing. Safe to run "
+        "again after an interruption; a no-op when the queues are as the settings say.",
     )
 
     demo = command(
@@ -992,6 +1006,26 @@ def _declare(settings: Settings, args: argparse.Namespace) -> int:
         len(settings.retry_delays),
     )
     return 0
+
+
+def _convert_queues(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.transport.queue_move import convert
+
+    routing_keys = load_routers(
+        settings.handlers, include_installed=settings.installed_handlers
+    ).routing_keys()
+
+    async def run(connection: AbstractRobustConnection) -> int:
+        moved = await convert(connection, settings, routing_keys)
+        if not moved.converted:
+            print(f"every queue is already declared as {settings.queue_type}: nothing to move")
+        for name in moved.converted:
+            print(f"declared {name} anew ({settings.queue_type})")
+        for name, count in moved.messages.items():
+            print(f"moved {count} message(s) of {name}")
+        return 0
+
+    return asyncio.run(_with_broker(settings, run, name="worker-convert-queues"))
 
 
 def _demo(settings: Settings, args: argparse.Namespace) -> int:

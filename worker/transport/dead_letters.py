@@ -144,6 +144,20 @@ def copy_of(message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> Mes
     )
 
 
+BROKER_HEADERS = frozenset({"x-delivery-count"})
+"""Headers a quorum queue sets on each delivery: a copy leaves them off (its queue counts anew)."""
+
+
+def moved_copy(message: AbstractIncomingMessage) -> Message:
+    """A persistent copy of ``message`` as it was published, to put in a queue again through the
+    default exchange: a message that came through another exchange keeps the routing key it came
+    with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
+    headers = {k: v for k, v in (message.headers or {}).items() if k not in BROKER_HEADERS}
+    if message.exchange:
+        headers[ORIGINAL_ROUTING_KEY] = message.routing_key or ""
+    return copy_of(message, headers)
+
+
 async def park(
     dead_letter_exchange: AbstractExchange,
     message: AbstractIncomingMessage,

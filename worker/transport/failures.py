@@ -263,9 +263,34 @@ class Failures:
             )
 
     async def requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
-        """Return ``message`` to the queue untouched (a fault that is not the message's)."""
+        """Return ``message`` to the queue untouched (a fault that is not the message's).
+
+        A quorum queue with a delivery limit counts a return as a failed delivery: pauses
+        repeated often enough (a deployment fault tried again for an hour) would have the broker
+        dead-letter messages that did nothing wrong. There the message goes back as a copy at
+        the queue's tail (its count starts again), the original acked once the broker confirmed
+        the copy; should the copy fail, the message is returned as it is.
+        """
         self.tally.record(handler, Outcome.REQUEUED)
+        topology = self._topology()
+        if self._returns_count and topology is not None:
+            try:
+                await topology.default_exchange.publish(
+                    dead_letters.moved_copy(message),
+                    routing_key=self.settings.queue,
+                    mandatory=True,
+                )
+            except Exception:
+                log.debug("could not return %s as a copy", message.message_id, exc_info=True)
+            else:
+                await self.settlements.ack_one(message)
+                return
         await self.settlements.requeue(message)
+
+    @property
+    def _returns_count(self) -> bool:
+        """Whether the broker counts a returned delivery toward a delivery limit."""
+        return self.settings.queue_type == "quorum" and self.settings.delivery_limit > 0
 
     async def _retry_later(self, failed: _Failed, queue: RetryQueue) -> None:
         message, failure = failed.message, failed.failure

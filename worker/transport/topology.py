@@ -8,6 +8,14 @@ One durable delayed-retry queue per configured delay, ``<queue>.retry.<delay>``:
 consumer, and its message TTL dead-letters each message through the default exchange back to the
 work queue. A queue per delay (not a per-message TTL) keeps every message of a queue expiring in
 the order it arrived, so none waits behind a longer one.
+
+With ``queue_type`` ``quorum`` all of these queues are quorum queues: replicated across a
+cluster's nodes; the work queue and the retry queues dead-letter *at least once* (the broker keeps
+a message until the queue it is dead-lettered to has confirmed it, so a broker crash mid-way loses
+none; this needs ``x-overflow: reject-publish``); and the work queue dead-letters a message
+delivered ``delivery_limit`` times without a settlement (its worker died holding it each time).
+A queue's type and arguments are fixed when it is declared: ``worker convert-queues``
+(``queue_move``) moves an existing deployment's messages to queues declared anew.
 """
 
 from __future__ import annotations
@@ -18,7 +26,9 @@ from typing import Any
 
 from aio_pika import ExchangeType
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from aiormq.exceptions import ChannelPreconditionFailed
 
+from worker.errors import ConfigurationError
 from worker.settings import Settings, format_duration
 
 
@@ -39,29 +49,90 @@ class Topology:
         return self.channel.default_exchange
 
 
+def _typed(settings: Settings, arguments: dict[str, Any], *, dead_letters: bool) -> dict[str, Any]:
+    """``arguments`` for a queue of ``settings.queue_type``; a quorum queue that dead-letters
+    does it at least once."""
+    if settings.queue_type == "classic":
+        return arguments  # (unchanged since the first version: existing queues redeclare)
+    typed = {"x-queue-type": settings.queue_type, **arguments}
+    if dead_letters:
+        typed.update({"x-dead-letter-strategy": "at-least-once", "x-overflow": "reject-publish"})
+    return typed
+
+
 def work_queue_arguments(settings: Settings) -> dict[str, Any]:
     """Arguments of the work queue; they must stay the same across versions to redeclare it."""
-    return {"x-dead-letter-exchange": settings.dead_letter_exchange}
+    arguments = _typed(
+        settings, {"x-dead-letter-exchange": settings.dead_letter_exchange}, dead_letters=True
+    )
+    if settings.queue_type == "quorum" and settings.delivery_limit:
+        arguments["x-delivery-limit"] = settings.delivery_limit
+    return arguments
 
 
 def retry_queue_arguments(settings: Settings, delay: float) -> dict[str, Any]:
     """A queue that holds each message ``delay`` seconds, then returns it to the work queue."""
+    return _typed(
+        settings,
+        {
+            "x-message-ttl": max(1, round(delay * 1000)),
+            "x-dead-letter-exchange": "",
+            "x-dead-letter-routing-key": settings.queue,
+        },
+        dead_letters=True,
+    )
+
+
+def dead_letter_queue_arguments(settings: Settings) -> dict[str, Any]:
+    """Arguments of the dead-letter queue (none for a classic one)."""
+    return _typed(settings, {}, dead_letters=False)
+
+
+def queue_arguments(settings: Settings) -> dict[str, dict[str, Any]]:
+    """Each of ``worker_queues``' names with the arguments it is declared with."""
     return {
-        "x-message-ttl": max(1, round(delay * 1000)),
-        "x-dead-letter-exchange": "",
-        "x-dead-letter-routing-key": settings.queue,
+        settings.queue: work_queue_arguments(settings),
+        settings.dead_letter_queue: dead_letter_queue_arguments(settings),
+        **{
+            settings.retry_queue(delay): retry_queue_arguments(settings, delay)
+            for delay in settings.retry_delays
+        },
     }
+
+
+class TopologyMismatch(ConfigurationError):
+    """The broker holds an exchange or queue of the worker's declared with other arguments."""
 
 
 async def declare_topology(
     channel: AbstractChannel, settings: Settings, routing_keys: Iterable[str]
 ) -> Topology:
-    """Declare (or confirm) the exchange, queues and bindings; safe to run from many workers."""
+    """Declare (or confirm) the exchange, queues and bindings; safe to run from many workers.
+
+    Raises ``TopologyMismatch`` when the broker refuses a declaration because the object exists
+    with other arguments (a classic queue where ``queue_type`` says quorum, say): a deployment
+    mistake no retry fixes."""
+    try:
+        return await _declare(channel, settings, list(routing_keys))
+    except ChannelPreconditionFailed as exc:
+        raise TopologyMismatch(
+            f"the broker refused the worker's topology ({exc}): it was declared otherwise. To "
+            f"change queue_type ({settings.queue_type}) or delivery_limit of an existing "
+            "deployment, stop its workers and run `worker convert-queues`; else set them as "
+            "the queues were declared"
+        ) from exc
+
+
+async def _declare(
+    channel: AbstractChannel, settings: Settings, routing_keys: list[str]
+) -> Topology:
     exchange = await channel.declare_exchange(settings.exchange, ExchangeType.TOPIC, durable=True)
     dlx = await channel.declare_exchange(
         settings.dead_letter_exchange, ExchangeType.FANOUT, durable=True
     )
-    dlq = await channel.declare_queue(settings.dead_letter_queue, durable=True)
+    dlq = await channel.declare_queue(
+        settings.dead_letter_queue, durable=True, arguments=dead_letter_queue_arguments(settings)
+    )
     await dlq.bind(dlx)
     queue = await channel.declare_queue(
         settings.queue, durable=True, arguments=work_queue_arguments(settings)
