@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractRobustConnection, TimeoutType
+from aio_pika.abc import TimeoutType
 from yarl import URL
 
 from worker.settings import broker_urls, redact
@@ -60,16 +60,18 @@ class _Connection(aio_pika.RobustConnection):
             raise
 
     async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
-        lost = self.connected.is_set() and not self._close_called  # (not a failed attempt)
+        reconnects = not self._close_called  # (closed by its owner: ``url`` stays)
+        lost, node = self.connected.is_set() and reconnects, self.url  # (else an attempt failed)
         try:
             await super()._on_connection_close(closing)
         finally:
-            node = self._next_node()
+            if reconnects:
+                self._next_node()
         if lost:
             log.warning(
                 "broker connection %r to %s lost (%s); reconnecting to %s",
                 self._name,
-                redact(str(self._nodes[node - 1])),
+                redact(str(node)),
                 _reason(closing),
                 redact(str(self.url)),
             )
@@ -80,11 +82,10 @@ class _Connection(aio_pika.RobustConnection):
         if reconnect:
             log.info("broker connection %r reconnected to %s", self._name, redact(str(self.url)))
 
-    def _next_node(self) -> int:
-        """Point the next attempt at the next node, round robin; returns its index."""
+    def _next_node(self) -> None:
+        """Point the next attempt at the next node, round robin."""
         self._node = (self._node + 1) % len(self._nodes)
         self.url = self._nodes[self._node]
-        return self._node
 
 
 def _reason(closing: asyncio.Future[Any]) -> str:
@@ -97,10 +98,11 @@ def _reason(closing: asyncio.Future[Any]) -> str:
 
 async def connect(
     url: str | Sequence[str], *, name: str = "worker", within: float | None = None
-) -> AbstractRobustConnection:
+) -> aio_pika.RobustConnection:
     """A robust connection to the first node of ``url`` that answers (one URL, several
     separated by commas, or a sequence of them), named ``name`` in the broker's UI; each node is
-    given up after ``within`` seconds if given.
+    given up after ``within`` seconds if given. Its ``url`` is the node it is connected to (or
+    will try next, while it reconnects).
 
     Once open, it reconnects by itself after a loss, to the next node. If no node answers, the
     last node's error is raised, and every half-made connection is already closed.
