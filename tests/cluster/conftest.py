@@ -3,8 +3,9 @@
 the main PostgreSQL.
 
 The cluster runs beside the machine's main broker (nodes ``rabbit-c1..c3@localhost``, AMQP ports
-5681-5683) and is gone after these tests. Without ``rabbitmq-server`` the tests are skipped, unless
-the environment variable ``CI`` is set: there they fail.
+5681-5683) and is gone after these tests. Without ``rabbitmq-server``, or run by another user
+than root, the tests are skipped, unless the environment variable ``CI`` is set: there they
+fail.
 """
 
 from __future__ import annotations
@@ -36,8 +37,12 @@ def node_name(node: int) -> str:
     return f"rabbit-c{node}@localhost"
 
 
+def amqp_port(node: int) -> int:
+    return 5680 + node
+
+
 def amqp_url(node: int) -> str:
-    return f"amqp://guest:guest@127.0.0.1:{5680 + node}/"
+    return f"amqp://guest:guest@127.0.0.1:{amqp_port(node)}/"
 
 
 def script(*args: str, timeout: float = START_WITHIN) -> subprocess.CompletedProcess[str]:
@@ -83,14 +88,24 @@ class Cluster:
         raise AssertionError(f"no queue {queue} on {node_name(on)}")
 
 
+def missing_for_a_cluster() -> str:
+    """What this machine lacks to run ``scripts/rabbitmq-cluster``, or nothing."""
+    if shutil.which("rabbitmq-server") is None:
+        return "rabbitmq-server (RabbitMQ installed)"
+    if os.geteuid() != 0:
+        return "root (the script runs the nodes as the rabbitmq user)"
+    return ""
+
+
 @pytest.fixture(scope="package")
 def cluster() -> Iterator[Cluster]:
     """The three nodes, up for these tests (``rabbitmq-cluster up``), then removed (``down``)
     before any other test runs: three more brokers would only slow the rest of the suite."""
-    if shutil.which("rabbitmq-server") is None:
+    missing = missing_for_a_cluster()
+    if missing:
         if os.environ.get("CI"):
-            pytest.fail("the cluster tests need rabbitmq-server, and CI must run them")
-        pytest.skip("needs rabbitmq-server (RabbitMQ installed) to start a three-node cluster")
+            pytest.fail(f"the cluster tests need {missing}, and CI must run them")
+        pytest.skip(f"needs {missing} to start a three-node RabbitMQ cluster")
     try:
         up = script("up")
         if up.returncode != 0:

@@ -32,7 +32,7 @@ from aio_pika.abc import AbstractQueue, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments.demo import DemoPlan, plan_payments, request_message
-from tests.cluster.conftest import Cluster
+from tests.cluster.conftest import Cluster, amqp_port
 from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until, worker_environ
 from tests.integration.support import start_worker
 from worker.settings import Settings
@@ -75,12 +75,14 @@ class Publisher:
         self.settings = settings
         self.resent = 0
 
-    async def publish(self, sends: Sequence[dict[str, object]]) -> None:
+    async def publish(self, sends: Sequence[dict[str, object]], pace: float = 0.0) -> None:
+        """Publish ``sends``, a window at a time, ``pace`` seconds between two windows."""
         for start in range(0, len(sends), WINDOW):
             window = sends[start : start + WINDOW]
             while not await self._confirmed(window):
                 self.resent += len(window)
                 await asyncio.sleep(0.2)
+            await asyncio.sleep(pace)
 
     async def _confirmed(self, window: Sequence[dict[str, object]]) -> bool:
         try:
@@ -247,9 +249,11 @@ async def test_the_leader_node_stopped_mid_stream_then_restarted_loses_and_doubl
             await wait_until(lambda: batches_held(engine), timeout=60)
             await asyncio.gather(
                 cluster.run("stop-node", str(leader)),
-                publisher.publish(parts[1][len(parts[1]) // 2 :]),
+                publisher.publish(parts[1][len(parts[1]) // 2 :], pace=0.25),
             )
         # (the held batches commit now: their connection is gone, their acks void)
+        moved_to = connection.url.port
+        assert moved_to != amqp_port(leader), "the publisher stayed on the stopped node"
 
         # Then the worker reconnects to another node and carries on
         await wait_until(lambda: reconnected(log, connections=2), timeout=90)
@@ -308,6 +312,7 @@ async def test_the_leader_node_stopped_mid_stream_then_restarted_loses_and_doubl
         "acks_dropped": dropped,
         "duplicates_absorbed": stats.get("duplicate", 0),
         "publishes_resent": publisher.resent,
+        "publisher_moved_to": moved_to,
         "settled_events_downstream": len(seen),
         "seconds": round(time.monotonic() - started, 1),
     }
