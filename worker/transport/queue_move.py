@@ -35,7 +35,7 @@ from aiormq.exceptions import ChannelNotFoundEntity, ChannelPreconditionFailed
 
 from worker.settings import Settings
 from worker.transport.dead_letters import moved_copy
-from worker.transport.topology import declare_topology, queue_arguments
+from worker.transport.topology import declare_exchanges, declare_topology, queue_arguments
 
 log = logging.getLogger(__name__)
 
@@ -118,12 +118,12 @@ async def _holding(
     """Declare ``name``'s holding queue, bound as ``name`` is; return its name."""
     holding = _holding_name(name)
     queue = await channel.declare_queue(holding, durable=True)  # (classic, whatever the type)
+    exchange, dead_letter_exchange = await declare_exchanges(channel, settings)
     if name == settings.queue:
-        exchange = await channel.get_exchange(settings.exchange, ensure=True)
         for routing_key in routing_keys:
             await queue.bind(exchange, routing_key)
     elif name == settings.dead_letter_queue:
-        await queue.bind(await channel.get_exchange(settings.dead_letter_exchange, ensure=True))
+        await queue.bind(dead_letter_exchange)
     return holding
 
 

@@ -123,13 +123,21 @@ async def declare_topology(
         ) from exc
 
 
-async def _declare(
-    channel: AbstractChannel, settings: Settings, routing_keys: list[str]
-) -> Topology:
+async def declare_exchanges(
+    channel: AbstractChannel, settings: Settings
+) -> tuple[AbstractExchange, AbstractExchange]:
+    """Declare (or confirm) the events exchange and the dead-letter exchange; return both."""
     exchange = await channel.declare_exchange(settings.exchange, ExchangeType.TOPIC, durable=True)
     dlx = await channel.declare_exchange(
         settings.dead_letter_exchange, ExchangeType.FANOUT, durable=True
     )
+    return exchange, dlx
+
+
+async def _declare(
+    channel: AbstractChannel, settings: Settings, routing_keys: list[str]
+) -> Topology:
+    exchange, dlx = await declare_exchanges(channel, settings)
     dlq = await channel.declare_queue(
         settings.dead_letter_queue, durable=True, arguments=dead_letter_queue_arguments(settings)
     )
