@@ -151,6 +151,31 @@ def format_duration(seconds: float) -> str:
     return f"{seconds * 1000:g}ms"
 
 
+_NEXT_BROKER_URL = re.compile(r"\s*,\s*(?=[a-z][a-z0-9+.-]*://)", re.IGNORECASE)
+"""Where one broker URL of a list ends: a comma before the next URL's scheme (``amqp://``), so
+that a comma inside a URL (a password, a query) is no separator."""
+
+
+def broker_urls(raw: str) -> tuple[str, ...]:
+    """The broker URLs of ``raw``: one ``amqp://`` (or ``amqps://``) URL, or several separated
+    by commas, the nodes of one cluster in the order they are tried first."""
+    return tuple(part for part in _NEXT_BROKER_URL.split(raw.strip()) if part)
+
+
+def broker_url_list(raw: str) -> str:
+    """``raw`` checked to be ``broker_urls`` of the ``amqp`` or ``amqps`` scheme, with a host."""
+    urls = broker_urls(raw)
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme.lower() not in {"amqp", "amqps"} or not parts.hostname:
+            raise ValueError(
+                "must be amqp:// or amqps:// URLs with a host, several separated by commas"
+            )
+    if not urls:
+        raise ValueError("must be an amqp:// or amqps:// URL")
+    return ",".join(urls)
+
+
 QUEUE_TYPES = ("classic", "quorum")
 """The queue types ``queue_type`` may name."""
 
@@ -225,9 +250,11 @@ class Settings:
     )
     amqp_url: str = setting(
         "amqp://guest:guest@localhost:5672/",
-        str,
+        broker_url_list,
         Group.DEPLOYMENT,
-        "RabbitMQ URL, `amqp://user:pass@host:port/vhost`; `amqps://` for TLS",
+        "RabbitMQ URL, `amqp://user:pass@host:port/vhost`; `amqps://` for TLS. Several, "
+        "separated by commas, are the nodes of one cluster: connections try them in order, "
+        "and one that is lost reconnects to the next (see RabbitMQ clusters)",
     )
     exchange: str = setting(
         "events",
@@ -523,6 +550,11 @@ class Settings:
         return f"{self.queue}.retry.{format_duration(delay)}"
 
     @property
+    def amqp_urls(self) -> tuple[str, ...]:
+        """The broker URLs of ``amqp_url``, one per node, in the order they are tried first."""
+        return broker_urls(self.amqp_url)
+
+    @property
     def dead_letter_exchange(self) -> str:
         return f"{self.queue}.dlx"
 
@@ -625,7 +657,9 @@ FIELDS: tuple[Field, ...] = tuple(Field.of(declared) for declared in dataclasses
 
 
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, safe to log."""
+    """``url`` with its password replaced by ``***``, safe to log; each URL of a broker list."""
+    if len(urls := broker_urls(url)) > 1:
+        return ",".join(map(redact, urls))
     parts = urlsplit(url)
     if parts.password is None:
         return url

@@ -72,7 +72,6 @@ def document(router: Router, settings: Settings, *, title: str | None = None) ->
                 },
             }
 
-    url = urlsplit(settings.amqp_url)
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {
@@ -86,13 +85,7 @@ def document(router: Router, settings: Settings, *, title: str | None = None) ->
             ),
         },
         "defaultContentType": "application/json",
-        "servers": {
-            "rabbitmq": {
-                "host": f"{url.hostname or 'localhost'}:{url.port or 5672}",
-                "protocol": "amqps" if url.scheme == "amqps" else "amqp",
-                "protocolVersion": "0-9-1",
-            }
-        },
+        "servers": _servers(settings),
         "channels": dict(sorted(channels.items())),
         "operations": dict(sorted(operations.items())),
         "components": {"messages": dict(sorted(messages.items())), "schemas": schemas},
@@ -128,8 +121,22 @@ def _is_model(body_type: Any) -> bool:
     return isinstance(body_type, type) and hasattr(body_type, "model_json_schema")
 
 
+def _servers(settings: Settings) -> dict[str, Any]:
+    """The broker's nodes: ``rabbitmq``, and ``rabbitmq-2``, ... for the other nodes of a
+    cluster."""
+    servers = {}
+    for number, raw in enumerate(settings.amqp_urls, start=1):
+        url = urlsplit(raw)
+        servers["rabbitmq" if number == 1 else f"rabbitmq-{number}"] = {
+            "host": f"{url.hostname or 'localhost'}:{url.port or 5672}",
+            "protocol": "amqps" if url.scheme == "amqps" else "amqp",
+            "protocolVersion": "0-9-1",
+        }
+    return servers
+
+
 def _channel_binding(settings: Settings) -> dict[str, Any]:
-    vhost = unquote(urlsplit(settings.amqp_url).path.lstrip("/")) or "/"
+    vhost = unquote(urlsplit(settings.amqp_urls[0]).path.lstrip("/")) or "/"
     return {
         "is": "routingKey",
         "exchange": {

@@ -1,4 +1,19 @@
-"""Opening a broker connection so that a failed attempt leaves nothing behind.
+"""Opening a broker connection to one node of several, so that a failed attempt leaves nothing
+behind and a lost node is left for the next one.
+
+``amqp_url`` may name several nodes of one cluster (``worker.settings.broker_urls``). The first
+connect tries them in order and keeps the first that answers. Once open, the connection is
+aio-pika's robust connection, which reconnects by itself after a loss, always to its ``url``;
+here every lost connection and every failed attempt moves ``url`` on to the next node (round
+robin), so a reconnect goes to a node that may be alive instead of retrying a dead one for ever.
+(aio-pika calls ``_on_connection_close`` in both cases, a failed attempt included, and reads
+``url`` afresh for each attempt: that is the seam.) The URL's own options (TLS files, heartbeat)
+are read from the node's URL at each attempt; aio-pika's own (``reconnect_interval``) from the
+URL of the node it first connected to.
+
+What a reconnect does to deliveries: their channel died with the old connection, so their tags
+are void; ``worker.transport.acks`` never sends their acks on the new one, the broker redelivers
+them, and the inbox recognises what was committed as a duplicate.
 
 aio-pika closes a connection object that is garbage-collected unclosed by scheduling
 ``close()`` on the current event loop from ``__del__``; when the collector runs in another
@@ -10,14 +25,31 @@ once instead, so every connection the worker ever created is closed by the worke
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
 
 import aio_pika
-from aio_pika.abc import AbstractRobustConnection, TimeoutType
+from aio_pika.abc import TimeoutType
+from yarl import URL
+
+from worker.settings import broker_urls, redact
+
+log = logging.getLogger(__name__)
 
 
 class _Connection(aio_pika.RobustConnection):
-    """A robust connection that closes itself when connecting fails."""
+    """A robust connection over the nodes ``urls`` (tried from the first), named ``name``: it
+    closes itself when connecting fails, and each time a connection is lost or an attempt fails,
+    the next attempt goes to the next node. A lost connection and a reconnect are logged."""
+
+    def __init__(self, urls: Sequence[str], name: str) -> None:
+        self._nodes = tuple(URL(url) for url in urls)
+        self._node = 0
+        self._name = name
+        super().__init__(self._nodes[0], client_properties={"connection_name": name})
 
     async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
         try:
@@ -27,20 +59,72 @@ class _Connection(aio_pika.RobustConnection):
                 await self.close()
             raise
 
+    async def _on_connection_close(self, closing: asyncio.Future[Any]) -> None:
+        reconnects = not self._close_called  # (closed by its owner: ``url`` stays)
+        lost, node = self.connected.is_set() and reconnects, self.url  # (else an attempt failed)
+        try:
+            await super()._on_connection_close(closing)
+        finally:
+            if reconnects:
+                self._next_node()
+        if lost:
+            log.warning(
+                "broker connection %r to %s lost (%s); reconnecting to %s",
+                self._name,
+                redact(str(node)),
+                _reason(closing),
+                redact(str(self.url)),
+            )
+
+    async def _on_connected(self) -> None:
+        reconnect = self.connection_attempt > 0
+        await super()._on_connected()  # (restores the channels, then calls reconnect_callbacks)
+        if reconnect:
+            log.info("broker connection %r reconnected to %s", self._name, redact(str(self.url)))
+
+    def _next_node(self) -> None:
+        """Point the next attempt at the next node, round robin."""
+        self._node = (self._node + 1) % len(self._nodes)
+        self.url = self._nodes[self._node]
+
+
+def _reason(closing: asyncio.Future[Any]) -> str:
+    """Why a connection closed, from the future aio-pika hands its close callbacks."""
+    if closing.cancelled():
+        return "closed"
+    error = closing.exception()
+    return repr(error) if error is not None else "closed"
+
 
 async def connect(
-    url: str, *, name: str = "worker", within: float | None = None
-) -> AbstractRobustConnection:
-    """One attempt at a robust connection to ``url``, named ``name`` in the broker's UI, given up
-    after ``within`` seconds if given.
+    url: str | Sequence[str], *, name: str = "worker", within: float | None = None
+) -> aio_pika.RobustConnection:
+    """A robust connection to the first node of ``url`` that answers (one URL, several
+    separated by commas, or a sequence of them), named ``name`` in the broker's UI; each node is
+    given up after ``within`` seconds if given. Its ``url`` is the node it is connected to (or
+    will try next, while it reconnects).
 
-    Once open, it reconnects by itself after a loss; if this first attempt fails, the error is
-    raised and the half-made connection is already closed.
+    Once open, it reconnects by itself after a loss, to the next node. If no node answers, the
+    last node's error is raised, and every half-made connection is already closed.
     """
-    connection: AbstractRobustConnection = await aio_pika.connect_robust(
-        url,
-        timeout=within,
-        client_properties={"connection_name": name},
-        connection_class=_Connection,
-    )
+    urls = broker_urls(url) if isinstance(url, str) else tuple(url)
+    if not urls:
+        raise ValueError("no broker URL to connect to")
+    for first in range(len(urls) - 1):
+        try:
+            return await _open(urls[first:] + urls[:first], name, within)
+        except Exception as exc:
+            log.warning(
+                "cannot connect to RabbitMQ at %s (%r); trying %s",
+                redact(urls[first]),
+                exc,
+                redact(urls[first + 1]),
+            )
+    return await _open(urls[-1:] + urls[:-1], name, within)
+
+
+async def _open(urls: Sequence[str], name: str, within: float | None) -> _Connection:
+    """A robust connection over ``urls``, opened on the first of them."""
+    connection = _Connection(urls, name)
+    await connection.connect(timeout=within)
     return connection
