@@ -108,12 +108,15 @@ class Settlements:
         sent = 0
         async with self._issuing:
             by_channel: dict[Any, dict[int, AbstractIncomingMessage]] = {}
+            void: list[AbstractIncomingMessage] = []
             for message in messages:
                 channel = _channel_of(message)
                 if channel is None or message.delivery_tag is None:
-                    _void(message)
+                    void.append(message)
                     continue
                 by_channel.setdefault(channel, {})[message.delivery_tag] = message
+            if void:
+                _void(void)
             for channel, ready in by_channel.items():
                 state = self._channels.setdefault(channel, _Channel())
                 state.held.update(ready)
@@ -196,10 +199,19 @@ def _channel_of(message: AbstractIncomingMessage) -> Any:
         return None
 
 
-def _void(message: AbstractIncomingMessage) -> None:
+VOID_IDS_SHOWN = 5
+"""Message ids a warning about acks on a closed channel names (one line per batch, not per ack)."""
+
+
+def _void(messages: list[AbstractIncomingMessage]) -> None:
+    ids = ", ".join(str(message.message_id) for message in messages[:VOID_IDS_SHOWN])
+    more = f" and {len(messages) - VOID_IDS_SHOWN} more" if len(messages) > VOID_IDS_SHOWN else ""
     log.warning(
-        "could not settle message %s: its channel has closed (the broker will redeliver it)",
-        message.message_id,
+        "could not ack %d message(s) (%s%s): their channel has closed, the broker will "
+        "redeliver them (the inbox recognises each as a duplicate)",
+        len(messages),
+        ids,
+        more,
     )
 
 
