@@ -191,6 +191,12 @@ class Settlements:
             await _issue(message.ack())
 
 
+def channel_closed(message: AbstractIncomingMessage) -> bool:
+    """Whether the channel ``message`` came on has closed: it can no longer be settled, and the
+    broker delivers it again."""
+    return _channel_of(message) is None
+
+
 def _channel_of(message: AbstractIncomingMessage) -> Any:
     """The AMQP channel ``message`` came on, or None once that channel has closed."""
     try:

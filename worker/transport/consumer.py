@@ -75,7 +75,7 @@ from worker.faults import (
 from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql.rows import InboxKey
-from worker.transport.acks import Settlements
+from worker.transport.acks import Settlements, channel_closed
 from worker.transport.failures import Failures
 from worker.transport.topology import Topology, declare_topology
 
@@ -393,6 +393,15 @@ class Consumer:
         batch fails in any way, each of its deliveries is processed again in a transaction of
         its own, so only the failing one takes the failure path.
         """
+        live = [message for message in messages if not channel_closed(message)]
+        if len(live) < len(messages):
+            # Received before the connection was lost: the broker delivers them again, so
+            # running them now would only commit effects whose acks cannot be sent.
+            log.info(
+                "%d delivery(ies) of a closed channel left for the broker to deliver again",
+                len(messages) - len(live),
+            )
+            messages = live
         if self.paused:
             for message in messages:
                 routed = self.router.find(delivery_from_amqp(message).routing_key)
