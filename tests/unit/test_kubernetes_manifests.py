@@ -357,9 +357,15 @@ def test_selectors_select_their_own_pods() -> None:
         for d in of_kind("Deployment")
     }
     for deployment in of_kind("Deployment"):
+        name = deployment["metadata"]["name"]
         selector = deployment["spec"]["selector"]["matchLabels"]
-        chosen = {name for name, labels in templates.items() if selects(selector, labels)}
-        assert chosen == {deployment["metadata"]["name"]}
+        chosen = {n for n, labels in templates.items() if selects(selector, labels)}
+        assert chosen == {name}
+        # the pods spread over nodes among their own kind
+        for spread in deployment["spec"]["template"]["spec"]["topologySpreadConstraints"]:
+            selector = spread["labelSelector"]["matchLabels"]
+            chosen = {n for n, labels in templates.items() if selects(selector, labels)}
+            assert chosen == {name}
     for budget in of_kind("PodDisruptionBudget"):
         selector = budget["spec"]["selector"]["matchLabels"]
         chosen = {name for name, labels in templates.items() if selects(selector, labels)}
