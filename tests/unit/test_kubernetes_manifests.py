@@ -192,6 +192,25 @@ def test_the_kustomization_applies_every_manifest_but_the_example_secret() -> No
     assert used == images
 
 
+def test_the_migration_step_selects_the_config_then_the_job() -> None:
+    """docs/kubernetes.md applies ``-l app.kubernetes.io/component=config``, then ``=migrate``,
+    before everything else: each selects exactly its object."""
+
+    def labelled(component: str) -> list[str]:
+        return [
+            d["kind"]
+            for d in documents()
+            if d["kind"] != "Secret"
+            and d["metadata"].get("labels", {}).get("app.kubernetes.io/component") == component
+        ]
+
+    assert labelled("config") == ["ConfigMap"]
+    assert labelled("migrate") == ["Job"]
+    docs = (ROOT / "docs" / "kubernetes.md").read_text()
+    assert "-l app.kubernetes.io/component=config" in docs
+    assert "-l app.kubernetes.io/component=migrate" in docs
+
+
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 def test_kubectl_kustomize_renders_the_manifests() -> None:
     """``kubectl kustomize`` builds offline; what it renders is what the files hold."""
