@@ -7,8 +7,10 @@ import contextlib
 import json
 import os
 import socket
+import time
 import urllib.error
 import urllib.request
+from urllib.parse import urlsplit
 
 import pytest
 from aio_pika.abc import AbstractRobustConnection
@@ -16,7 +18,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments import router as payments
 from tests.helpers import free_port, payment, wait_until
-from tests.integration.support import publish, request, running_worker, settled
+from tests.integration.support import publish, request, running_relay, running_worker, settled
+from tests.integration.tcp_proxy import tcp_proxy
+from worker.ops.health import STUCK_AFTER, Health
+from worker.ops.http import HttpServer
+from worker.ops.metrics import Metrics
 from worker.settings import Settings
 
 
@@ -153,3 +159,118 @@ async def test_worker_health_asks_the_address_the_endpoint_listens_on(
         healthy = await asyncio.to_thread(run, WORKER_SCRIPT, "health", **env)
     assert healthy.returncode == 0, healthy.stderr
     assert json.loads(healthy.stdout)["status"] == "ok"
+
+
+def through_proxy(settings: Settings, port: int) -> str:
+    """``settings.database_url`` pointed at a TCP proxy on 127.0.0.1:``port``."""
+    url = urlsplit(settings.database_url)
+    return url._replace(netloc=f"{url.username}@127.0.0.1:{port}").geturl()
+
+
+async def test_a_worker_paused_by_an_outage_is_alive_but_not_ready(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    """What a liveness probe asks (``/livez``) never depends on PostgreSQL: an orchestrator that
+    restarts on it leaves a correctly paused worker alone, and takes it out of rotation on
+    ``/readyz`` (``/healthz``) instead."""
+    url = urlsplit(settings.database_url)
+    async with tcp_proxy(url.hostname or "127.0.0.1", url.port or 5432) as proxy:
+        port = free_port()
+        worker_settings = settings.replace(
+            database_url=through_proxy(settings, proxy.port),
+            relay=False,
+            http_host="127.0.0.1",
+            http_port=port,
+        )
+        async with running_worker(worker_settings, payments) as worker:
+            channel = await amqp.channel(publisher_confirms=True)
+
+            async def ready() -> bool:
+                return (await request(port, "/readyz")).status == 200
+
+            await wait_until(ready)
+            assert (await request(port, "/livez")).status == 200
+
+            # When PostgreSQL becomes unreachable and a payment arrives, the worker pauses
+            await proxy.down()
+            await publish(channel, settings, payment("p-live"), key="p-live")
+            await settled(worker, paused=1)
+
+            async def reports_paused() -> bool:
+                response = await request(port, "/readyz")
+                return response.status == 503 and json.loads(response.body).get("paused") == (
+                    "database-unreachable"
+                )
+
+            await wait_until(reports_paused)
+
+            # Then it is not ready, the same answer as /healthz, but it is alive
+            healthz = await request(port, "/healthz")
+            assert healthz.status == 503
+            assert json.loads(healthz.body)["paused"] == "database-unreachable"
+            livez = await request(port, "/livez")
+            assert livez.status == 200, livez.body
+            assert json.loads(livez.body)["status"] == "alive"
+
+            # When PostgreSQL is back, it is ready again and handles the payment
+            await proxy.up()
+            await wait_until(ready)
+            await settled(worker, processed=1)
+
+
+async def test_a_relay_without_its_database_is_alive_but_not_ready(settings: Settings) -> None:
+    url = urlsplit(settings.database_url)
+    async with tcp_proxy(url.hostname or "127.0.0.1", url.port or 5432) as proxy:
+        port = free_port()
+        relay_settings = settings.replace(
+            database_url=through_proxy(settings, proxy.port), http_host="127.0.0.1", http_port=port
+        )
+        async with running_relay(relay_settings):
+
+            async def status_of(path: str) -> int:
+                return (await request(port, path)).status
+
+            async def ready() -> bool:
+                return await status_of("/readyz") == 200
+
+            await wait_until(ready)
+
+            # When PostgreSQL becomes unreachable
+            await proxy.down()
+
+            async def not_ready() -> bool:
+                return await status_of("/readyz") == 503
+
+            await wait_until(not_ready)
+
+            # Then the relay is alive all the same
+            assert await status_of("/livez") == 200
+            await proxy.up()
+            await wait_until(ready)
+
+
+async def test_livez_reports_a_process_whose_probes_stopped_as_stuck(
+    engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    health = Health()
+    await health.probe(engine, amqp, lambda: True)
+    server = HttpServer(Metrics(), health)
+    port = await server.start("127.0.0.1", 0)
+    async with server:
+        fresh = await request(port, "/livez")
+        assert fresh.status == 200
+        assert json.loads(fresh.body)["status"] == "alive"
+
+        # When no probe has finished for longer than STUCK_AFTER (the clock moved, not slept)
+        health.probed_at = time.monotonic() - STUCK_AFTER - 1
+
+        # Then /livez says the process is stuck, and the readiness answer is unchanged
+        stuck = await request(port, "/livez")
+        assert stuck.status == 503
+        assert json.loads(stuck.body)["status"] == "stuck"
+        assert json.loads(stuck.body)["probed_seconds_ago"] > STUCK_AFTER
+        assert (await request(port, "/readyz")).status == 200
+
+        # And a probe that finishes makes it alive again
+        await health.probe(engine, amqp, lambda: True)
+        assert (await request(port, "/livez")).status == 200

@@ -1,17 +1,24 @@
-"""Health checks for ``/healthz``, and the ``Monitor`` that keeps them and the gauges current.
+"""Health checks for ``/healthz`` (``/readyz``) and ``/livez``, and the ``Monitor`` that keeps
+them and the gauges current.
 
 Invariant: an endpoint never waits on PostgreSQL or RabbitMQ. A request is answered from numbers
 already in memory; the ``Monitor`` brings the database gauges and the health checks up to date
 every few seconds, each probe bounded by a timeout, so a hung database can make ``/healthz``
 report a failure but never make it hang, and scraping as often as you like costs no query.
+
+Two questions, two answers: ``/healthz`` (alias ``/readyz``) says whether the process does its
+work now, and is 503 while it waits out an outage (paused, reconnecting); ``/livez`` says only
+whether the process is stuck, and never depends on PostgreSQL or the broker being up, so an
+orchestrator that restarts on it does not restart a worker that is correctly paused.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aio_pika.abc import AbstractConnection
@@ -32,6 +39,11 @@ REFRESH_INTERVAL = 5.0
 INBOX_INTERVAL = 60.0
 """Seconds between two inbox counts, which read the whole inbox (``inspection.inbox_counts``)."""
 
+STUCK_AFTER = 60.0
+"""Seconds without a finished probe after which ``/livez`` reports the process stuck. A round of
+the monitor takes at most two ``database.PROBE_TIMEOUT`` (5 s each) beyond ``REFRESH_INTERVAL``
+whatever PostgreSQL and the broker do, so only a blocked event loop or a dead monitor gets here."""
+
 
 @dataclass
 class Health:
@@ -42,6 +54,8 @@ class Health:
     consuming: bool | None = None
     probed: bool = False
     condition: Callable[[], Mapping[str, object]] | None = None
+    probed_at: float = field(default_factory=time.monotonic)
+    """``time.monotonic()`` when the last probe finished (before the first: when this was made)."""
 
     async def probe(
         self,
@@ -61,6 +75,7 @@ class Health:
         self.update("broker", not connection.is_closed and connection.connected.is_set())
         self.update("consuming", None if consuming is None else consuming())
         self.probed = True
+        self.probed_at = time.monotonic()
 
     def update(
         self,
@@ -87,6 +102,14 @@ class Health:
         healthy = self.probed and all(checks.values()) and "paused" not in condition
         status = "ok" if healthy else ("failing" if self.probed else "starting")
         return healthy, {"status": status, **checks, **condition}
+
+    def liveness(self, stuck_after: float = STUCK_AFTER) -> tuple[bool, dict[str, Any]]:
+        """(alive, the ``/livez`` JSON): alive while a probe finished within ``stuck_after``
+        seconds, whatever it found. Answering at all proves the event loop runs; a recent probe
+        proves the monitor does too."""
+        age = time.monotonic() - self.probed_at
+        alive = age < stuck_after
+        return alive, {"status": "alive" if alive else "stuck", "probed_seconds_ago": round(age, 1)}
 
 
 class Monitor:

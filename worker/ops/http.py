@@ -1,4 +1,5 @@
-"""The HTTP server of ``/metrics`` and ``/healthz``: a minimal HTTP/1.0 responder.
+"""The HTTP server of ``/metrics``, ``/healthz`` (alias ``/readyz``) and ``/livez``: a minimal
+HTTP/1.0 responder.
 
 It runs on ``asyncio.start_server``: it reads the request line, skips the headers, answers and
 closes. Invariant: no client can pin it. The whole exchange, closing included, must end within
@@ -31,9 +32,11 @@ log = logging.getLogger("worker.ops.metrics")  # the http lines, under the logge
 
 
 class Health(Protocol):
-    """What the server asks for ``/healthz`` (``health.Health`` is one)."""
+    """What the server asks for ``/healthz`` and ``/livez`` (``health.Health`` is one)."""
 
     def report(self) -> tuple[bool, dict[str, Any]]: ...
+
+    def liveness(self) -> tuple[bool, dict[str, Any]]: ...
 
 
 REQUEST_TIMEOUT = 5.0
@@ -44,7 +47,8 @@ REFUSALS_LOG_INTERVAL = 60.0
 
 
 class HttpServer:
-    """``/metrics`` and ``/healthz`` (GET or HEAD) over HTTP/1.0, one request per connection.
+    """``/metrics``, ``/healthz`` (``/readyz``) and ``/livez`` (GET or HEAD) over HTTP/1.0, one
+    request per connection.
 
     ``await HttpServer(metrics, health).start(host, port)`` returns the bound port (an ephemeral
     one for port 0); ``close()`` stops listening and drops the connections still open. Also an
@@ -158,9 +162,9 @@ class HttpServer:
         path = target.split("?", 1)[0]
         if path == "/metrics":
             status, content_type, body = HTTPStatus.OK, CONTENT_TYPE_LATEST, self.metrics.render()
-        elif path == "/healthz":
-            healthy, report = self.health.report()
-            status = HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE
+        elif path in ("/healthz", "/readyz", "/livez"):
+            ok, report = self.health.liveness() if path == "/livez" else self.health.report()
+            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
             content_type, body = "application/json", json.dumps(report).encode() + b"\n"
         else:
             status, content_type, body = HTTPStatus.NOT_FOUND, "text/plain", b"not found\n"
