@@ -1,4 +1,5 @@
-"""``python -m benchmarks.soak`` runs end to end against the services; sizes and rates unchecked."""
+"""``python -m benchmarks.soak`` and ``python -m benchmarks.retention`` run end to end against the
+services; sizes, rates and timings unchecked."""
 
 from __future__ import annotations
 
@@ -51,3 +52,26 @@ def test_a_short_soak_prints_its_summary_and_writes_a_sample_per_interval(tmp_pa
     assert int(rows[-1]["offered"]) > int(rows[1]["offered"]) > 0
     assert int(rows[-1]["requests_processed"]) > 0
     assert int(rows[-1]["inbox_n_tup_ins"]) > 0
+
+
+def test_the_retention_benchmark_shows_a_time_partitioned_inbox_claiming_a_key_twice() -> None:
+    result = run_benchmark("retention", "--rows", "2000")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for step in ("janitor sweep (batched DELETE)", "  VACUUM inbox after it", "DROP TABLE of a"):
+        assert any(line.startswith(step) for line in lines), result.stdout
+    # PostgreSQL refuses uniqueness of (handler, key) alone over the partitions ...
+    assert "(handler, key): refused: unique constraint on partitioned table must include" in (
+        result.stdout
+    )
+    # ... so a key claimed before a partition boundary is claimed again after it
+    assert any(
+        line.startswith("  a key claimed in the current partition, then again in it")
+        and line.endswith("accepted, 1 row for the key")
+        for line in lines
+    ), result.stdout
+    assert any(
+        line.startswith("  the same key claimed in the previous partition")
+        and line.endswith("accepted, 2 rows for the key")
+        for line in lines
+    ), result.stdout
