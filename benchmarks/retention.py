@@ -105,11 +105,12 @@ async def autocommit(engine: AsyncEngine, *statements: str) -> None:
 
 
 async def in_transaction(engine: AsyncEngine, statement: str) -> str:
-    """Run ``statement`` in a transaction of its own; what came of it, or PostgreSQL's refusal."""
+    """Run ``statement`` in a transaction of its own: "accepted" and the rows it wrote, or
+    PostgreSQL's refusal."""
     try:
         async with engine.begin() as conn:
-            await conn.exec_driver_sql(statement)
-            return "accepted"
+            written = (await conn.exec_driver_sql(statement)).rowcount
+            return "accepted" if written < 0 else f"accepted, {written} row(s) written"
     except sqlalchemy.exc.DBAPIError as exc:
         return f"refused: {str(exc.orig).splitlines()[-1]}"
 
@@ -131,17 +132,15 @@ async def uniqueness(engine: AsyncEngine) -> list[tuple[str, str]]:
         ),
     ]
     for label, at in (
-        ("a key claimed in the current partition, then again in it", "now() + interval '2 hours'"),
-        ("the same key claimed in the previous partition", "now()"),
+        ("a key claimed in the current partition", "now() + interval '2 hours'"),
+        ("claimed again in the current partition", "now() + interval '3 hours'"),
+        ("claimed again in the previous partition", "now()"),
     ):
         outcome = await in_transaction(engine, claim.format(at=at, target=""))
         async with engine.connect() as conn:
             count = await conn.scalar(text("SELECT count(*) FROM inbox_by_time WHERE key = 'k'"))
         outcomes.append(
-            (
-                f"{label} (ON CONFLICT DO NOTHING)",
-                f"{outcome}, {count} row{'' if count == 1 else 's'} for the key",
-            )
+            (f"{label} (ON CONFLICT DO NOTHING)", f"{outcome}; rows of the key: {count}")
         )
     return outcomes
 
