@@ -10,9 +10,10 @@ broker. Every ``--sample`` it writes a row of the CSV (``--csv``):
 
 - for ``inbox`` and ``outbox``: total, heap and index bytes (``pg_total_relation_size``,
   ``pg_relation_size``, ``pg_indexes_size``), each index's bytes, live and dead tuples, rows
-  inserted and deleted, and the counts and last times of vacuums, autovacuums, analyzes and
-  autoanalyzes (``pg_stat_user_tables``);
-- the outbox backlog and its oldest row's age, the requests waiting in the work queue;
+  inserted, deleted and updated (and of those HOT, with no new index entries), and the counts
+  and last times of vacuums, autovacuums, analyzes and autoanalyzes (``pg_stat_user_tables``);
+- the outbox backlog and its oldest row's age, the requests waiting in the work queue, the CPU
+  of the machine, of the worker and of this script;
 - the counts so far and their rates over the interval: requests offered (confirmed by the broker);
   requests processed and recognised as duplicates, settlement notices processed, events published
   by the relay, inbox keys expired by the janitor (the worker's ``/metrics``); events received
@@ -114,7 +115,8 @@ START_SECONDS = 60.0
 TABLE_STATS = """
 SELECT s.relname, pg_total_relation_size(s.relid), pg_relation_size(s.relid),
        pg_indexes_size(s.relid), s.n_live_tup, s.n_dead_tup, s.n_tup_ins, s.n_tup_del,
-       s.vacuum_count, s.autovacuum_count, s.analyze_count, s.autoanalyze_count,
+       s.n_tup_upd, s.n_tup_hot_upd, s.vacuum_count, s.autovacuum_count, s.analyze_count,
+       s.autoanalyze_count,
        s.last_vacuum, s.last_autovacuum, s.last_analyze, s.last_autoanalyze
 FROM pg_stat_user_tables AS s
 WHERE s.schemaname = current_schema() AND s.relname = ANY(:tables)
@@ -127,6 +129,8 @@ TABLE_COLUMNS = (
     "n_dead_tup",
     "n_tup_ins",
     "n_tup_del",
+    "n_tup_upd",
+    "n_tup_hot_upd",
     "vacuum_count",
     "autovacuum_count",
     "analyze_count",
@@ -221,6 +225,7 @@ class Payments:
         self._run_id, self._duplicates, self._accounts = run_id, duplicates, accounts
 
     def next(self) -> dict[str, object]:
+        """The next payment to request: a new one, or now and then a recent one again."""
         if self._recent and self._rng.random() < self._duplicates:
             return self._rng.choice(self._recent)
         payment: dict[str, object] = {
@@ -833,13 +838,23 @@ def vacuum_lines(soak: Soak) -> list[str]:
         dead = [int(s[f"{t}_n_dead_tup"]) for s in soak.samples if s["elapsed_s"] >= third]
         live = [int(s[f"{t}_n_live_tup"]) for s in soak.samples if s["elapsed_s"] >= third]
         runs = {
-            kind: int(last[f"{t}_{kind}_count"]) - int(first[f"{t}_{kind}_count"])
-            for kind in ("vacuum", "autovacuum", "analyze", "autoanalyze")
+            kind: int(last[f"{t}_{kind}"]) - int(first[f"{t}_{kind}"])
+            for kind in (
+                *(f"{k}_count" for k in ("vacuum", "autovacuum", "analyze", "autoanalyze")),
+                "n_tup_upd",
+                "n_tup_hot_upd",
+            )
         }
+        hot = (
+            f" ({100 * runs['n_tup_hot_upd'] / runs['n_tup_upd']:.0f} % HOT)"
+            if runs["n_tup_upd"]
+            else ""
+        )
         lines.append(
             f"{t}: last third: live tuples {min(live)}-{max(live)}, dead {min(dead)}-{max(dead)};"
-            f" over the run: {runs['autovacuum']} autovacuums, {runs['vacuum']} vacuums, "
-            f"{runs['autoanalyze']} autoanalyzes, {runs['analyze']} analyzes; last vacuum "
+            f" over the run: {runs['n_tup_upd']} updates{hot}, {runs['autovacuum_count']} "
+            f"autovacuums, {runs['vacuum_count']} vacuums, {runs['autoanalyze_count']} "
+            f"autoanalyzes, {runs['analyze_count']} analyzes; last vacuum "
             f"{last[f'{t}_last_autovacuum'] or last[f'{t}_last_vacuum'] or 'never'}"
         )
     if soak.stand_in:
