@@ -72,7 +72,7 @@ LOG_TAIL = 20
 """Lines of the worker's output shown when it fails."""
 
 
-class DrainFailed(Exception):
+class WorkerFailed(Exception):
     """The worker under test stopped, timed out or applied the payments wrongly."""
 
 
@@ -99,7 +99,7 @@ async def drain_with_processes(settings: Settings, processes: int, plan: DemoPla
 
     ``settings`` names a database migrated for the payments example (whose tables are emptied
     first) and an exchange and queue of this drain's own (deleted afterwards). The payments
-    must be distinct: the drain ends when each has its ledger row. Raises ``DrainFailed``;
+    must be distinct: the drain ends when each has its ledger row. Raises ``WorkerFailed``;
     bound it with ``asyncio.timeout`` (the worker is killed if it is cancelled).
     """
     if len(plan.sends) != len(plan.payments):
@@ -108,12 +108,13 @@ async def drain_with_processes(settings: Settings, processes: int, plan: DemoPla
     try:
         await reset_tables(engine)
         async with _preloaded(settings, plan) as queue:
-            with _worker(settings, processes) as (worker, output):
+            arguments = ("--processes", str(processes), "--no-relay", "--http-port", "0")
+            with worker_run(settings, *arguments) as (worker, output):
                 try:
                     drain = await _timed_drain(engine, queue, worker, processes, plan)
-                    await _stop(worker)
-                except DrainFailed as exc:
-                    raise DrainFailed(f"{exc}; the worker's last lines:\n{_tail(output)}") from None
+                    await stop_worker(worker)
+                except WorkerFailed as exc:
+                    raise WorkerFailed(f"{exc}; the worker's last lines:\n{tail(output)}") from None
         await _check_balances(engine, plan)
         return drain
     finally:
@@ -138,10 +139,11 @@ async def _preloaded(settings: Settings, plan: DemoPlan) -> AsyncIterator[Abstra
 
 
 @contextlib.contextmanager
-def _worker(
-    settings: Settings, processes: int
+def worker_run(
+    settings: Settings, *arguments: str
 ) -> Iterator[tuple[subprocess.Popen[bytes], IO[bytes]]]:
-    """``worker run --processes N --no-relay`` with the payments example on ``settings``, its
+    """``worker run arguments`` with the payments example, on the database, broker, exchange and
+    queue of ``settings`` (no other ``WORKER_*`` variable of this process's reaches it), its
     output in a temporary file; killed on exit if it is still running."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(
@@ -152,10 +154,9 @@ def _worker(
         WORKER_QUEUE=settings.queue,
         WORKER_HANDLERS="examples.payments",
     )
-    command = [sys.executable, "-m", "worker", "run", "--processes", str(processes)]
     with tempfile.TemporaryFile() as output:
         worker = subprocess.Popen(
-            [*command, "--no-relay", "--http-port", "0"],
+            [sys.executable, "-m", "worker", "run", *arguments],
             cwd=ROOT,
             env=env,
             stdout=output,
@@ -188,15 +189,15 @@ async def _timed_drain(
     async def all_applied() -> bool:
         return await count_rows(engine, "ledger_entries") == len(plan.payments)
 
-    await _until(one_consuming, worker)
+    await until(one_consuming, worker)
     first = await count_rows(engine, "ledger_entries"), time.perf_counter(), cpu_times()
-    await _until(consuming, worker)
+    await until(consuming, worker)
     early = await count_rows(engine, "ledger_entries")
     started, cpu = time.perf_counter(), cpu_times()
     if early == len(plan.payments):  # the first drained them all before the others consumed:
         early, started, cpu = first  # time it from when the first consumed (rate stays defined)
-    await _until(nothing_ready, worker)
-    await _until(all_applied, worker)
+    await until(nothing_ready, worker)
+    await until(all_applied, worker)
     seconds = time.perf_counter() - started
     return Drain(processes, len(plan.payments) - early, seconds, early, busy_since(cpu))
 
@@ -219,26 +220,29 @@ def busy_since(before: tuple[int, int] | None) -> float | None:
     return (after[0] - before[0]) / (after[1] - before[1])
 
 
-async def _until(condition: Callable[[], Awaitable[bool]], worker: subprocess.Popen[bytes]) -> None:
-    """Poll ``condition`` every ``POLL_INTERVAL``; ``DrainFailed`` if the worker exits first."""
+async def until(condition: Callable[[], Awaitable[bool]], worker: subprocess.Popen[bytes]) -> None:
+    """Poll ``condition`` every ``POLL_INTERVAL``; ``WorkerFailed`` if the worker exits first."""
     while not await condition():
         if worker.poll() is not None:
-            raise DrainFailed(f"the worker exited {worker.returncode} before the drain ended")
+            raise WorkerFailed(
+                f"the worker exited {worker.returncode} while waiting for {condition.__name__}"
+            )
         await asyncio.sleep(POLL_INTERVAL)
 
 
-async def _stop(worker: subprocess.Popen[bytes]) -> None:
-    """SIGTERM; ``DrainFailed`` unless the worker exits 0 in time."""
+async def stop_worker(worker: subprocess.Popen[bytes]) -> None:
+    """SIGTERM; ``WorkerFailed`` unless the worker exits 0 in time."""
     worker.send_signal(signal.SIGTERM)
     try:
         status = await asyncio.to_thread(worker.wait, STOP_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise DrainFailed(f"the worker did not stop within {STOP_TIMEOUT:g} s") from None
+        raise WorkerFailed(f"the worker did not stop within {STOP_TIMEOUT:g} s") from None
     if status != 0:
-        raise DrainFailed(f"the worker exited {status} on SIGTERM")
+        raise WorkerFailed(f"the worker exited {status} on SIGTERM")
 
 
-def _tail(output: IO[bytes]) -> str:
+def tail(output: IO[bytes]) -> str:
+    """The last ``LOG_TAIL`` lines of the worker's output."""
     output.seek(0)
     return "\n".join(output.read().decode(errors="replace").splitlines()[-LOG_TAIL:])
 
@@ -248,7 +252,7 @@ async def _check_balances(engine: AsyncEngine, plan: DemoPlan) -> None:
         result = await conn.execute(text("SELECT account, balance_cents FROM accounts"))
         balances = {str(account): int(cents) for account, cents in result}
     if balances != plan.expected_balances:
-        raise DrainFailed("the balances differ from the sums of the planned payments")
+        raise WorkerFailed("the balances differ from the sums of the planned payments")
 
 
 # Running and reporting
@@ -286,7 +290,7 @@ async def _bounded(drain: Awaitable[Drain], seconds: float) -> Drain:
         async with asyncio.timeout(seconds):
             return await drain
     except TimeoutError:
-        raise DrainFailed(
+        raise WorkerFailed(
             f"not drained within {seconds:g} s (lower --messages or raise --timeout)"
         ) from None
 
