@@ -90,6 +90,7 @@ from benchmarks.processes import (
     worker_run,
 )
 from benchmarks.relay_latency import delete_broker_objects, progress
+from benchmarks.throughput import fraction
 from examples.payments import router as payments_router
 from examples.payments.demo import request_message
 from worker.database import create_engine
@@ -938,13 +939,6 @@ def report(soak: Soak, elapsed: float) -> str:
 
 
 # The command line
-
-
-def fraction(raw: str) -> float:
-    value = float(raw)
-    if not 0 <= value < 1:
-        raise ValueError("must be at least 0 and below 1")
-    return value
 
 
 def parse_options(argv: list[str] | None) -> Options:

@@ -206,5 +206,11 @@ FAILOVER_ERRORS = [
     _raised_from(asyncpg.exceptions.ReadOnlySQLTransactionError("read-only")),
     # the worker's own probe: PostgreSQL answers, but takes no writes
     NoPrimary(),
+    # a pooled connection whose backend was terminated while it waited for the end of an error
+    _as_sqlalchemy_raises(
+        asyncpg.exceptions.InternalClientError(
+            "cannot switch to state 15; another operation (2) is in progress"
+        )
+    ),
 ]
 """What the worker meets while no primary answers, raised as the driver raises it."""

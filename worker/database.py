@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
@@ -76,7 +77,23 @@ def engine_for(
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
     read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
     event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
+    event.listen(engine.sync_engine, "handle_error", _unusable_connection_is_a_disconnect)
     return engine
+
+
+def _unusable_connection_is_a_disconnect(context: Any) -> None:
+    """An ``handle_error`` hook: asyncpg's ``InternalClientError`` (e.g. "cannot switch to state
+    15; another operation (2) is in progress", a connection whose backend was terminated while
+    it still waited for the end of an error) means the connection can run nothing more; marked
+    a disconnect, SQLAlchemy drops it from the pool instead of handing it out again."""
+    current: BaseException | None = context.original_exception
+    seen: set[int] = set()
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, asyncpg.exceptions.InternalClientError):
+            context.is_disconnect = True
+            return
+        current = current.__cause__ or current.__context__
 
 
 def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, Any, Any], None]:

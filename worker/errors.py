@@ -294,6 +294,8 @@ def _transient_by_type(current: BaseException) -> bool:
         return True  # aiormq / aio-pika: "<Connection …> closed" while it reconnects
     if isinstance(current, asyncpg.exceptions.PostgresConnectionError | asyncpg.InterfaceError):
         return True
+    if isinstance(current, asyncpg.exceptions.InternalClientError):
+        return True  # a connection no statement can use (its backend cut mid-operation)
     if isinstance(current, asyncpg.exceptions.TargetServerAttributeNotMatched):
         return True  # every host answered, none as target_session_attrs asks: no primary yet
     if isinstance(current, sqlalchemy.exc.DBAPIError) and current.connection_invalidated:

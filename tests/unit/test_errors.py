@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import aiormq.exceptions
+import asyncpg
 import pytest
 
 from tests.helpers import FAILOVER_ERRORS
+from worker.database import _unusable_connection_is_a_disconnect
 from worker.errors import Fault, HandlerFailed, Retryable, classify, is_transient
 
 
@@ -64,3 +68,27 @@ def test_bugs_and_bad_data_are_permanent(exc: BaseException) -> None:
 @pytest.mark.parametrize("exc", FAILOVER_ERRORS, ids=lambda exc: type(exc).__name__)
 def test_no_primary_is_transient_never_the_messages_fault(exc: BaseException) -> None:
     assert classify(exc) is Fault.TRANSIENT
+
+
+def test_a_connection_no_statement_can_use_is_dropped_from_the_pool() -> None:
+    # Given the error SQLAlchemy's asyncpg adapter raises for a connection left mid-operation
+    error = asyncpg.exceptions.InternalClientError(
+        "cannot switch to state 15; another operation (2) is in progress"
+    )
+    context = SimpleNamespace(original_exception=_wrapped(error), is_disconnect=False)
+
+    # When the engine's error hook sees it, it calls it a disconnect (the pool drops it)
+    _unusable_connection_is_a_disconnect(context)
+    assert context.is_disconnect
+
+    # And any other error is left as SQLAlchemy judged it
+    other = SimpleNamespace(original_exception=ValueError("bad input"), is_disconnect=False)
+    _unusable_connection_is_a_disconnect(other)
+    assert not other.is_disconnect
+
+
+def _wrapped(cause: BaseException) -> BaseException:
+    try:
+        raise RuntimeError("the adapter's error") from cause
+    except RuntimeError as exc:
+        return exc
