@@ -112,6 +112,8 @@ SLACK_BYTES = 64 * 1024
 """Growth allowed beyond the tolerance before a relation counts as growing: 8 pages."""
 START_SECONDS = 60.0
 """How long the worker may take to consume from its queue."""
+OUTAGE_PAUSE = 1.0
+"""Seconds the producer waits after a failed publish (the broker away) before the next."""
 
 TABLE_STATS = """
 SELECT s.relname, pg_total_relation_size(s.relid), pg_relation_size(s.relid),
@@ -159,9 +161,11 @@ COUNTERS = (
     "downstream",
     "inbox_expired",
     "other_outcomes",
+    "publish_failures",
 )
 """Counts so far, a CSV column each; ``other_outcomes``: deliveries that ended otherwise (dead
-letters, retries: none in an undisturbed run)."""
+letters, retries: none in an undisturbed run); ``publish_failures``: requests the broker did not
+confirm (none unless it went away)."""
 RATES = {
     "offered_per_s": ("offered",),
     "handled_per_s": ("requests_processed", "requests_duplicate"),
@@ -239,17 +243,28 @@ class Payments:
 
 
 async def offer(
-    exchange: AbstractExchange, payments: Payments, rate: float, until: float, counts: Counter
+    exchange: AbstractExchange, payments: Payments, rate: float, until: float, soak: Soak
 ) -> None:
     """Publish requests on absolute deadlines, ``rate`` per second until ``until`` (a
     ``time.monotonic`` time): every ``TICK`` those due, concurrently, each confirmed (a slow tick
-    makes the next one larger, not the rate lower); counted in ``offered``."""
-    start = time.monotonic()
+    makes the next one larger, not the rate lower). Those confirmed count in ``offered``; those
+    that fail (the broker away: the connection restores itself) in ``publish_failures``, with
+    the first error kept, and are not sent again: the run goes on at the rate once it can."""
+    start, scheduled, counts = time.monotonic(), 0, soak.counts
     while (now := time.monotonic()) < until:
-        due = math.floor(rate * (now - start)) + 1 - counts["offered"]
+        due = math.floor(rate * (now - start)) + 1 - scheduled
+        scheduled += due
         messages = [request_message(payments.next()) for _ in range(due)]
-        await asyncio.gather(*(exchange.publish(m, REQUESTED, mandatory=True) for m in messages))
-        counts["offered"] += len(messages)
+        sent = await asyncio.gather(
+            *(exchange.publish(m, REQUESTED, mandatory=True) for m in messages),
+            return_exceptions=True,
+        )
+        failures = [error for error in sent if isinstance(error, BaseException)]
+        counts["offered"] += len(sent) - len(failures)
+        if failures:
+            counts["publish_failures"] += len(failures)
+            soak.first_publish_error = soak.first_publish_error or repr(failures[0])
+            await asyncio.sleep(OUTAGE_PAUSE)
         await asyncio.sleep(max(0.0, TICK - (time.monotonic() - now)))
 
 
@@ -453,7 +468,14 @@ class Soak:
     clock: tuple[float, float | None, float] | None = None
     """At the previous sample: ``time.monotonic``, the worker's and this process's CPU time."""
     worker_warnings: list[str] = field(default_factory=list)
+    counts: Counter = field(default_factory=collections.Counter)
+    """This process's counts: ``offered``, ``downstream``, ``publish_failures``."""
+    first_publish_error: str | None = None
     stopped_early_at: float | None = None
+    stopped_by: str | None = None
+    """Why the run ended early: a signal's name, or the part of it that failed."""
+    failed: bool = False
+    """A part of the run failed: it did not measure what was asked."""
 
     @property
     def columns(self) -> list[str]:
@@ -467,21 +489,23 @@ async def take_sample(
     engine: AsyncEngine,
     queue: AbstractQueue,
     port: int,
-    counts: Counter,
     at: float,
     pid: int,
 ) -> dict[str, Any]:
     """One row: the time, the counts (the worker's, and this process's), the rates since the
     previous row, the work queue's depth and the tables."""
     worker = await asyncio.to_thread(worker_counts, port)
-    depth = (await queue.declare()).message_count or 0
+    try:
+        depth: int | str = (await queue.declare()).message_count or 0
+    except Exception:  # the broker away for a moment: the sample goes on without it
+        depth = ""
     async with engine.connect() as conn:
         tables = await table_sample(conn)
     row: dict[str, Any] = {
         "elapsed_s": round(at, 1),
         "time": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    row |= {name: counts[name] + worker[name] for name in COUNTERS}
+    row |= {name: soak.counts[name] + worker[name] for name in COUNTERS}
     previous = soak.samples[-1] if soak.samples else None
     for rate, names in RATES.items():
         if previous is None or at <= previous["elapsed_s"]:
@@ -530,7 +554,6 @@ async def sample_until_done(
     engine: AsyncEngine,
     queue: AbstractQueue,
     port: int,
-    counts: Counter,
     worker: subprocess.Popen[bytes],
     stop: asyncio.Event,
     writer: csv.DictWriter[str],
@@ -549,7 +572,7 @@ async def sample_until_done(
             at = soak.stopped_early_at
         if worker.poll() is not None:
             raise WorkerFailed(f"the worker exited {worker.returncode} during the soak")
-        row = await take_sample(soak, engine, queue, port, counts, at, worker.pid)
+        row = await take_sample(soak, engine, queue, port, at, worker.pid)
         soak.samples.append(row)
         writer.writerow(row)
         sink.flush()
@@ -593,11 +616,28 @@ async def downstream(
             await queue.delete(if_unused=False, if_empty=False)
 
 
-def stopping_on_signals(stop: asyncio.Event) -> None:
+def stopping_on_signals(soak: Soak, stop: asyncio.Event) -> None:
     """SIGINT and SIGTERM end the soak early (with its summary), not the process."""
+
+    def stopped(number: signal.Signals) -> None:
+        soak.stopped_by = soak.stopped_by or number.name
+        stop.set()
+
     loop = asyncio.get_running_loop()
     for number in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(number, stop.set)
+        loop.add_signal_handler(number, stopped, number)
+
+
+def stopping_on_failure(soak: Soak, stop: asyncio.Event, task: asyncio.Task[None]) -> None:
+    """A part of the run that fails ends it early (with its summary), marked failed."""
+
+    def ended(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            soak.stopped_by = soak.stopped_by or f"{task.get_name()} failed: {error!r}"
+            soak.failed = True
+            stop.set()
+
+    task.add_done_callback(ended)
 
 
 async def run_soak(settings: Settings, options: Options) -> Soak:
@@ -605,7 +645,6 @@ async def run_soak(settings: Settings, options: Options) -> Soak:
     engine = create_engine(settings, application_name="soak", pool_size=2)
     connection = await connect_broker(settings, name="soak")
     stop = asyncio.Event()
-    stopping_on_signals(stop)
     try:
         async with engine.connect() as conn:
             server = {n: str(v) for n, v in await conn.execute(text(SERVER_SETTINGS))}
@@ -618,15 +657,16 @@ async def run_soak(settings: Settings, options: Options) -> Soak:
             options.autovacuum == "auto" and server["autovacuum"] == "off"
         )
         soak = Soak(options, settings, server, reloptions, indexes, stand_in)
+        stopping_on_signals(soak, stop)
         print(preamble(soak), flush=True)
         channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
         topology = await declare_topology(channel, settings, payments_router.routing_keys())
-        counts: Counter = collections.Counter()
         port = free_port()
-        async with downstream(channel, topology.exchange, f"{settings.queue}.downstream", counts):
+        name = f"{settings.queue}.downstream"
+        async with downstream(channel, topology.exchange, name, soak.counts):
             with worker_run(settings, *worker_arguments(settings, port)) as (worker, output):
                 try:
-                    await _soak_with(soak, engine, topology, port, counts, worker, stop)
+                    await _soak_with(soak, engine, topology, port, worker, stop)
                     await stop_worker(worker)
                 except WorkerFailed as exc:
                     raise WorkerFailed(f"{exc}; the worker's last lines:\n{tail(output)}") from None
@@ -642,11 +682,11 @@ async def _soak_with(
     engine: AsyncEngine,
     topology: Topology,
     port: int,
-    counts: Counter,
     worker: subprocess.Popen[bytes],
     stop: asyncio.Event,
 ) -> None:
-    """Once the worker consumes: the offered load, the stand-in if any, the samples."""
+    """Once the worker consumes: the offered load, the stand-in if any, the samples; a part that
+    fails ends the run early."""
     queue = await topology.channel.declare_queue(soak.settings.queue, passive=True)
 
     async def consuming() -> bool:
@@ -656,21 +696,23 @@ async def _soak_with(
     options = soak.options
     payments = Payments(uuid.uuid4().hex[:8], options.duplicates, options.accounts)
     ends = time.monotonic() + options.seconds
-    tasks = [asyncio.create_task(offer(topology.exchange, payments, options.rate, ends, counts))]
+    parts = {"the producer": offer(topology.exchange, payments, options.rate, ends, soak)}
     if soak.stand_in:
-        tasks.append(
-            asyncio.create_task(stand_in_for_autovacuum(engine, soak.server, soak.vacuums))
+        parts["the autovacuum stand-in"] = stand_in_for_autovacuum(
+            engine, soak.server, soak.vacuums
         )
+    tasks = [asyncio.create_task(part, name=name) for name, part in parts.items()]
+    for task in tasks:
+        stopping_on_failure(soak, stop, task)
     try:
         with options.csv.open("w", newline="") as sink:
             writer = csv.DictWriter(sink, soak.columns)
             writer.writeheader()
-            await sample_until_done(soak, engine, queue, port, counts, worker, stop, writer, sink)
+            await sample_until_done(soak, engine, queue, port, worker, stop, writer, sink)
     finally:
         for task in tasks:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await asyncio.gather(*tasks, return_exceptions=True)  # a failure is in stopped_by
 
 
 def worker_arguments(settings: Settings, port: int) -> list[str]:
@@ -876,6 +918,8 @@ def rate_lines(soak: Soak) -> list[str]:
     first, last = soak.samples[0], soak.samples[-1]
     seconds = last["elapsed_s"] - first["elapsed_s"] or 1.0
 
+    depths = [s["queue_depth"] for s in soak.samples if s["queue_depth"] != ""]
+
     def per_second(*names: str) -> float:
         return float(sum(last[n] - first[n] for n in names)) / seconds
 
@@ -887,9 +931,10 @@ def rate_lines(soak: Soak) -> list[str]:
         f"{per_second('notices_processed'):.1f}/s; events published "
         f"{per_second('relay_published'):.1f}/s, received downstream "
         f"{per_second('downstream'):.1f}/s; inbox keys expired {per_second('inbox_expired'):.1f}/s",
-        f"at the end: {last['queue_depth']} requests waiting in the work queue, outbox backlog "
+        f"at the end: {last['queue_depth'] if last['queue_depth'] != '' else '?'} requests "
+        "waiting in the work queue, outbox backlog "
         f"{last['outbox_backlog']} (oldest {last['outbox_oldest_age_s']:.1f} s); largest work "
-        f"queue depth {max(s['queue_depth'] for s in soak.samples)}, largest outbox backlog "
+        f"queue depth {max(depths, default='-')}, largest outbox backlog "
         f"{max(s['outbox_backlog'] for s in soak.samples)}",
     ]
     shares = {
@@ -924,7 +969,12 @@ def report(soak: Soak, elapsed: float) -> str:
     ]
     notes = []
     if soak.stopped_early_at is not None:
-        notes.append(f"stopped early after {soak.stopped_early_at:.0f} s (a signal)")
+        notes.append(f"stopped early after {soak.stopped_early_at:.0f} s: {soak.stopped_by}")
+    if soak.counts["publish_failures"]:
+        notes.append(
+            f"{soak.counts['publish_failures']} requests were not confirmed by the broker and not "
+            f"sent again (the first error: {soak.first_publish_error})"
+        )
     if options.warm_up_seconds < (steady := steady_state(soak)):
         notes.append(
             f"the warm-up ({format_duration(options.warm_up_seconds)}) is shorter than the "
@@ -1021,6 +1071,8 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         asyncio.run(delete_broker_objects(base))
     print(report(soak, time.perf_counter() - started))
+    if soak.failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
