@@ -27,7 +27,7 @@ from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from worker.errors import ConfigurationError, NoPrimary, refusals_explained
+from worker.errors import ConfigurationError, NoPrimary, causes, refusals_explained
 from worker.settings import Settings
 from worker.sql import maintenance
 
@@ -86,14 +86,11 @@ def _unusable_connection_is_a_disconnect(context: Any) -> None:
     15; another operation (2) is in progress", a connection whose backend was terminated while
     it still waited for the end of an error) means the connection can run nothing more; marked
     a disconnect, SQLAlchemy drops it from the pool instead of handing it out again."""
-    current: BaseException | None = context.original_exception
-    seen: set[int] = set()
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, asyncpg.exceptions.InternalClientError):
-            context.is_disconnect = True
-            return
-        current = current.__cause__ or current.__context__
+    if any(
+        isinstance(cause, asyncpg.exceptions.InternalClientError)
+        for cause in causes(context.original_exception)
+    ):
+        context.is_disconnect = True
 
 
 def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, Any, Any], None]:

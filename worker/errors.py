@@ -231,6 +231,16 @@ _DEPLOYMENT_SQLSTATE_CLASS = "42"
 privilege — the schema or the grants do not match the code, whatever the message holds."""
 
 
+def causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what it wraps (``__cause__``, else ``__context__``), each once."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
 def classify(exc: BaseException) -> Fault:
     """Whose fault ``exc`` (or what it wraps) is: the one place that decides.
 
@@ -241,10 +251,7 @@ def classify(exc: BaseException) -> Fault:
     handler, a constraint violation, bad input, ``Permanent`` anywhere in the chain before a
     transient cause) is permanent.
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(exc):
         if isinstance(current, Permanent):
             return Fault.PERMANENT
         if _refused(current) is not None:
@@ -257,7 +264,6 @@ def classify(exc: BaseException) -> Fault:
                 return Fault.TRANSIENT
             if sqlstate[:2] == _DEPLOYMENT_SQLSTATE_CLASS:
                 return Fault.DEPLOYMENT
-        current = current.__cause__ or current.__context__
     return Fault.PERMANENT
 
 
@@ -268,14 +274,10 @@ def is_contention(exc: BaseException) -> bool:
     """True when ``exc`` (or what it wraps) is PostgreSQL giving up on concurrent transactions
     that wait on each other (a deadlock, a serialization failure): transient, and a sign that
     they touch the same rows in different orders."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(exc):
         sqlstate = getattr(current, "sqlstate", None) or getattr(current, "pgcode", None)
         if sqlstate in _CONTENTION_SQLSTATES:
             return True
-        current = current.__cause__ or current.__context__
     return False
 
 
@@ -329,14 +331,10 @@ def refusal(exc: BaseException) -> AccessRefused | None:
     retry them; on the message path they are transient (``is_transient``), never the message's
     fault.
     """
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
+    for current in causes(exc):
         what = _refused(current)
         if what is not None:
             return AccessRefused(f"{what}; the server said: {_first_line(current)}")
-        current = current.__cause__ or current.__context__
     return None
 
 
