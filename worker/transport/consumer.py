@@ -403,9 +403,13 @@ class Consumer:
             )
             messages = live
         if self.paused:
-            for message in messages:
-                routed = self.router.find(delivery_from_amqp(message).routing_key)
-                await self.failures.requeue(message, routed.name if routed is not None else None)
+            routed = [self.router.find(delivery_from_amqp(m).routing_key) for m in messages]
+            await self.failures.requeue_all(
+                [
+                    (message, handler.name if handler is not None else None)
+                    for message, handler in zip(messages, routed, strict=True)
+                ]
+            )
             return
         together: list[tuple[AbstractIncomingMessage, Envelope]] = []
         alone: list[tuple[AbstractIncomingMessage, Envelope]] = []

@@ -263,29 +263,51 @@ class Failures:
             )
 
     async def requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
-        """Return ``message`` to the queue untouched (a fault that is not the message's).
+        """Return ``message`` to the queue untouched (a fault that is not the message's)."""
+        await self.requeue_all([(message, handler)])
+
+    async def requeue_all(
+        self, returned: Sequence[tuple[AbstractIncomingMessage, str | None]]
+    ) -> None:
+        """Return each delivery (with its handler's name, for the tally) to the queue untouched.
 
         A quorum queue with a delivery limit counts a return as a failed delivery: pauses
         repeated often enough (a deployment fault tried again for an hour) would have the broker
-        dead-letter messages that did nothing wrong. There the message goes back as a copy at
-        the queue's tail (its count starts again), the original acked once the broker confirmed
-        the copy; should the copy fail, the message is returned as it is.
+        dead-letter messages that did nothing wrong. There each goes back as a copy at the
+        queue's tail (its count starts again): the copies are published at once, and each
+        original is acked once the broker confirmed its copy; one whose copy failed is returned
+        as it is.
         """
-        self.tally.record(handler, Outcome.REQUEUED)
+        for _, handler in returned:
+            self.tally.record(handler, Outcome.REQUEUED)
+        messages = [message for message, _ in returned]
         topology = self._topology()
+        copied = [False] * len(messages)
         if self._returns_count and topology is not None:
-            try:
-                await topology.default_exchange.publish(
-                    dead_letters.moved_copy(message),
-                    routing_key=self.settings.queue,
-                    mandatory=True,
-                )
-            except Exception:
-                log.debug("could not return %s as a copy", message.message_id, exc_info=True)
-            else:
-                await self.settlements.ack_one(message)
-                return
-        await self.settlements.requeue(message)
+            sent = await asyncio.gather(
+                *(
+                    topology.default_exchange.publish(
+                        dead_letters.moved_copy(message),
+                        routing_key=self.settings.queue,
+                        mandatory=True,
+                    )
+                    for message in messages
+                ),
+                return_exceptions=True,
+            )
+            for index, outcome in enumerate(sent):
+                if isinstance(outcome, Exception):
+                    log.debug("could not return %s as a copy", messages[index].message_id)
+                elif isinstance(outcome, BaseException):
+                    raise outcome  # cancelled: the shutdown's grace period is over
+                else:
+                    copied[index] = True
+            await self.settlements.ack(
+                [m for m, done in zip(messages, copied, strict=True) if done]
+            )
+        for message, done in zip(messages, copied, strict=True):
+            if not done:
+                await self.settlements.requeue(message)
 
     @property
     def _returns_count(self) -> bool:
