@@ -92,7 +92,7 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from sqlalchemy import text
+from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -155,6 +155,8 @@ GROUPS = {
     "c-uv": "uvloop",
     "n1": "processes",
     "n2": "processes",
+    "plain-pre": "plain",
+    "plain-pg": "plain",
 }
 """The ``--only`` name of the scenarios that do not go by their own."""
 AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
@@ -225,6 +227,8 @@ TARGETS = (
     Target("p1", "c", 0.8),
     Target("p10", "c", 0.5),
     Target("plain", "b", 2.0),
+    Target("plain-pre", "b", 0.0),
+    Target("plain-pg", "b", 0.0),
     Target("d", "a", 0.6),
     Target("e", "bare", 1.0),
     Target("c+", "c", 0.9),
@@ -666,6 +670,62 @@ def worker_plain_handler(bench: Bench) -> Awaitable[Timing]:
     return _worker_relay_off(bench, "plain", router=plain_router)
 
 
+RECORD_ENTRY = (
+    insert(ledger_entries)
+    .values(
+        payment_id=bindparam("payment_id"),
+        account=bindparam("account"),
+        amount_cents=bindparam("amount_cents"),
+    )
+    .on_conflict_do_nothing()
+    .returning(ledger_entries.c.payment_id)
+)
+_NEW_BALANCE = insert(accounts).values(
+    account=bindparam("account"), balance_cents=bindparam("amount_cents")
+)
+ADD_TO_BALANCE = _NEW_BALANCE.on_conflict_do_update(
+    index_elements=[accounts.c.account],
+    set_={"balance_cents": accounts.c.balance_cents + _NEW_BALANCE.excluded.balance_cents},
+)
+"""``settle_one``'s two statements built once, at import, and executed with parameters."""
+
+plain_prebuilt_router = Router()
+
+
+@plain_prebuilt_router.handler(REQUESTED)
+async def settle_one_prebuilt(payment: PaymentRequested, ctx: Context) -> None:
+    """``settle_one`` with its statements built once (``RECORD_ENTRY``, ``ADD_TO_BALANCE``):
+    SQLAlchemy then compiles each once and only binds the parameters per message."""
+    values = {
+        "payment_id": payment.payment_id,
+        "account": payment.account,
+        "amount_cents": payment.amount_cents,
+    }
+    if (await ctx.connection.execute(RECORD_ENTRY, values)).first() is not None:
+        await ctx.connection.execute(ADD_TO_BALANCE, values)
+
+
+plain_asyncpg_router = Router()
+
+
+@plain_asyncpg_router.handler(REQUESTED)
+async def settle_one_asyncpg(payment: PaymentRequested, ctx: Context) -> None:
+    """``settle_one`` on ``ctx.asyncpg``: (b)'s two statements, in the worker's transaction."""
+    account, amount = payment.account, payment.amount_cents
+    if await ctx.asyncpg.fetchval(LEDGER_INSERT, payment.payment_id, account, amount):
+        await ctx.asyncpg.fetchval(BALANCE_UPSERT, account, amount)
+
+
+def worker_plain_prebuilt(bench: Bench) -> Awaitable[Timing]:
+    """(plain-pre) (plain) with the statements built once."""
+    return _worker_relay_off(bench, "plain-pre", router=plain_prebuilt_router)
+
+
+def worker_plain_asyncpg(bench: Bench) -> Awaitable[Timing]:
+    """(plain-pg) (plain) with (b)'s statements on ``ctx.asyncpg``."""
+    return _worker_relay_off(bench, "plain-pg", router=plain_asyncpg_router)
+
+
 async def worker_with_relay(bench: Bench) -> Timing:
     """(d) The worker with its relay, until every payment's event is downstream and every
     settlement notice is written."""
@@ -1014,6 +1074,8 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("p1", "worker, 1 % poison", worker_poisoned(0.01)),
     ("p10", "worker, 10 % poison", worker_poisoned(0.10)),
     ("plain", "worker, plain handler (2 stmts/msg)", worker_plain_handler),
+    ("plain-pre", "plain, statements built once", worker_plain_prebuilt),
+    ("plain-pg", "plain, (b)'s SQL on ctx.asyncpg", worker_plain_asyncpg),
     ("n1", "worker run --processes 1 (subprocess)", worker_processes(1)),
     ("n2", "worker run --processes 2 (subprocess)", worker_processes(2)),
     ("c+", "worker, relay off, full inbox", worker_relay_off_full_inbox),

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 from tests.integration.support import run_benchmark
 
-RATIOS = ("c/a", "c/b", "p1/c", "p10/c", "plain/b", "d/a", "e/bare", "c+/c", "c/c-sa", "n2/n1")
+RATIOS = (
+    "c/a",
+    "c/b",
+    "p1/c",
+    "p10/c",
+    "plain/b",
+    "plain-pre/b",
+    "plain-pg/b",
+    "d/a",
+    "e/bare",
+    "c+/c",
+    "c/c-sa",
+    "n2/n1",
+)
 
 
 def test_throughput_quick_run_prints_every_ratio() -> None:
