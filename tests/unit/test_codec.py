@@ -116,3 +116,21 @@ def test_encode_json_handles_pydantic_models_and_uuids() -> None:
 
 def test_encode_json_keeps_non_ascii_as_utf8() -> None:
     assert encode_json({"name": "Zoë"}) == '{"name":"Zoë"}'.encode()
+
+
+@pytest.mark.parametrize("value", [float("nan"), {"x": [1.0, float("inf")]}, -float("inf")])
+def test_encode_json_refuses_a_float_json_cannot_hold(value: object) -> None:
+    with pytest.raises(ValueError, match="JSON"):
+        encode_json(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"note": "NaN", "text": "Infinity and beyond", "amount": 1.5},
+        ["NaN", -0.0, 10**30, "\x00\u2028", {"1": None}],
+        {"deep": [{"x": [1e-7, 2.5e300]}]},
+    ],
+)
+def test_encode_json_round_trips_words_in_strings_and_edge_numbers(value: object) -> None:
+    assert json.loads(encode_json(value)) == value

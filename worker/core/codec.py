@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from pydantic_core import to_jsonable_python
+from pydantic_core import to_json, to_jsonable_python
 
 from worker.errors import BodyTooDeep, UndecodableBody
 
@@ -45,6 +45,18 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"number {text[:40]} is out of range")
     return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float)
+"""Strict JSON: no ``NaN``/``Infinity``, no number out of a float's range; built once (each
+``json.loads`` call with options builds a decoder of its own)."""
+
+_CANONICAL = json.JSONEncoder(
+    sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+)
+"""The canonical encoder (``canonical_json``); built once, like ``_DECODER``."""
+
+_NON_FINITE = (b"NaN", b"Infinity")
 
 
 def nesting_depth_exceeds(body: bytes, limit: int) -> bool:
@@ -89,7 +101,7 @@ def decode_fingerprinted(
     if nesting_depth_exceeds(body, max_depth):
         raise BodyTooDeep(f"body nests arrays and objects deeper than {max_depth} levels")
     try:
-        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        value = _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
         raise UndecodableBody(f"body is not JSON: {exc}") from exc
     try:
@@ -118,9 +130,7 @@ def to_jsonable(value: Any) -> Any:
 
 def canonical_json(value: Any) -> bytes:
     """The canonical encoding of a JSON value: sorted keys, compact separators, UTF-8."""
-    return json.dumps(
-        value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    return _CANONICAL.encode(value).encode("utf-8")
 
 
 def fingerprint(value: Any) -> bytes:
@@ -129,7 +139,16 @@ def fingerprint(value: Any) -> bytes:
 
 
 def encode_json(value: Any) -> bytes:
-    """``value`` (any JSON-able object, pydantic models included) as compact UTF-8 JSON."""
-    return json.dumps(
-        to_jsonable(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
+    """``value`` (any JSON-able object, pydantic models included) as compact UTF-8 JSON;
+    ``ValueError`` for a float that is not finite, which JSON cannot hold.
+
+    pydantic-core writes it (a tenth of the standard library's time); it spells a non-finite
+    float ``NaN``/``Infinity``, so an encoding that holds either word anywhere is made again
+    by the standard library, which refuses the float or, when the word was inside a string,
+    gives the same JSON."""
+    encoded = to_json(value, inf_nan_mode="constants")
+    if any(word in encoded for word in _NON_FINITE):
+        return json.dumps(
+            to_jsonable(value), separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        ).encode("utf-8")
+    return encoded

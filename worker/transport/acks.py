@@ -99,7 +99,10 @@ class Settlements:
         """Note that the consumer received ``message`` (and will settle it)."""
         channel = _channel_of(message)
         if channel is not None and message.delivery_tag is not None:
-            self._channels.setdefault(channel, _Channel()).arrived(message.delivery_tag)
+            state = self._channels.get(channel)
+            if state is None:  # (not setdefault: that would build a _Channel per delivery)
+                state = self._channels[channel] = _Channel()
+            state.arrived(message.delivery_tag)
 
     async def ack(self, messages: Iterable[AbstractIncomingMessage]) -> int:
         """Ack ``messages`` (all committed): the run from the channel's lowest unsettled tag
