@@ -532,13 +532,17 @@ async def worker_relay_off_full_inbox(bench: Bench) -> Timing:
 
 
 async def fill_inbox(engine: AsyncEngine, rows: int) -> None:
-    """``rows`` completed inbox keys of earlier messages, as a long-running deployment has."""
+    """``rows`` completed inbox keys of earlier messages, as a long-running deployment has.
+
+    Their keys (``demo-1-<n>e``) interleave with the plan's (``demo-1-<n>``) in the primary-key
+    index, as keys from one source do, so a claim lands on leaves spread over the whole index,
+    not on a corner of it that stays cached."""
     progress(f"  filling the inbox with {rows:,} rows ...")
     async with engine.begin() as conn:
         await conn.execute(
             text(
                 "INSERT INTO inbox (handler, key, fingerprint, status, routing_key, result)"
-                " SELECT 'payment.requested', 'earlier-' || g, sha256(g::text::bytea),"
+                " SELECT 'payment.requested', 'demo-1-' || g || 'e', sha256(g::text::bytea),"
                 " 'completed', 'payment.requested', '{}'::jsonb"
                 " FROM generate_series(1, :rows) AS g"
             ),
