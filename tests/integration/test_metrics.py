@@ -27,7 +27,7 @@ from worker.ops.health import Health, Monitor
 from worker.ops.http import HttpServer, local_url
 from worker.ops.metrics import Metrics
 from worker.settings import Settings
-from worker.sql import outbox
+from worker.sql import inspection, outbox
 from worker.sql.rows import OutboxMessage
 
 UNREACHABLE = "postgresql://postgres@127.0.0.1:1/x"
@@ -205,6 +205,41 @@ async def test_refresh_reports_the_outbox_backlog_its_age_parked_rows_and_inbox_
     assert sample(metrics, "worker_inbox_rows", status="failed") == 2  # not counted this time
     await metrics.refresh(engine)
     assert sample(metrics, "worker_inbox_rows", status="failed") == 0
+    assert sample(metrics, "worker_inbox_rows_estimated") == 0
+
+
+async def test_a_large_inbox_is_estimated_from_the_statistics_not_read_whole(
+    engine: AsyncEngine,
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "INSERT INTO inbox (handler, key, fingerprint, status, routing_key) "
+                "VALUES ('h', :key, '\\x00', :status, 'k')"
+            ),
+            [
+                {"key": f"{status}-{i}", "status": status}
+                for status, count in (("completed", 30), ("failed", 10), ("in_progress", 2))
+                for i in range(count)
+            ],
+        )
+        await conn.execute(text("ANALYZE inbox"))
+    async with engine.begin() as conn:
+        # a scan of the whole inbox stays possible, only costed out: the count below takes
+        # the in-progress index, and whatever read the whole inbox would still show here
+        await conn.execute(text("SET LOCAL enable_seqscan = off"))
+        scans = text("SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relname = 'inbox'")
+        before = await conn.scalar(scans)
+        gauge = await inspection.inbox_gauge(conn, exact_up_to=10)
+        after = await conn.scalar(scans)
+        exact = await inspection.inbox_gauge(conn, exact_up_to=42)
+        after_exact = await conn.scalar(scans)
+    assert gauge.estimated
+    assert gauge.counts == {"completed": 30, "failed": 10, "in_progress": 2}
+    assert after == before
+    assert after_exact == after + 1  # (the exact count does read the whole inbox)
+    assert not exact.estimated
+    assert exact.counts == {"completed": 30, "failed": 10, "in_progress": 2}
 
 
 async def test_the_endpoint_serves_metrics_health_and_nothing_else(

@@ -37,7 +37,8 @@ REFRESH_INTERVAL = 5.0
 """Seconds between two rounds of health probes and outbox gauges."""
 
 INBOX_INTERVAL = 60.0
-"""Seconds between two inbox counts, which read the whole inbox (``inspection.inbox_counts``)."""
+"""Seconds between two inbox gauges (``inspection.inbox_gauge``: it reads the whole inbox only
+while the inbox is small)."""
 
 STUCK_AFTER = 60.0
 """Seconds without a finished probe after which ``/livez`` reports the process stuck. A round of

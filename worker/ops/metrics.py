@@ -157,7 +157,16 @@ class Metrics:
             "worker_outbox_parked", "Rows in outbox_parked, given up by the relay.", registry=r
         )
         self.inbox_rows = Gauge(
-            "worker_inbox_rows", "Inbox keys by status.", ["status"], registry=r
+            "worker_inbox_rows",
+            "Inbox keys by status; estimated from PostgreSQL's statistics above "
+            f"{inspection.EXACT_INBOX_COUNT_LIMIT:,} keys.",
+            ["status"],
+            registry=r,
+        )
+        self.inbox_rows_estimated = Gauge(
+            "worker_inbox_rows_estimated",
+            "1 when worker_inbox_rows was last estimated (completed and failed), 0 when counted.",
+            registry=r,
         )
         self.http_refused = Counter(
             "worker_http_connections_refused_total",
@@ -228,13 +237,14 @@ class Metrics:
         """
         async with asyncio.timeout(PROBE_TIMEOUT), engine.connect() as conn:
             outbox = await inspection.outbox_stats(conn)
-            counts = await inspection.inbox_counts(conn) if inbox else None
+            gauge = await inspection.inbox_gauge(conn) if inbox else None
         self.outbox_backlog.set(outbox.backlog)
         self.outbox_oldest_age.set(outbox.oldest_age_seconds)
         self.outbox_parked.set(outbox.parked)
-        if counts is not None:
-            for status in {*INBOX_STATUSES, *counts}:
-                self.inbox_rows.labels(status).set(counts.get(status, 0))
+        if gauge is not None:
+            for status in {*INBOX_STATUSES, *gauge.counts}:
+                self.inbox_rows.labels(status).set(gauge.counts.get(status, 0))
+            self.inbox_rows_estimated.set(int(gauge.estimated))
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (``CONTENT_TYPE_LATEST``)."""

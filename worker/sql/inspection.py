@@ -15,6 +15,7 @@ from sqlalchemy import (
     func,
     or_,
     select,
+    text,
 )
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -97,11 +98,63 @@ async def inbox_counts(conn: AsyncConnection) -> dict[str, int]:
     """Inbox keys by status, exactly; a status without keys is absent.
 
     ``GROUP BY status`` reads the whole inbox (no index covers ``status``): on an inbox of
-    millions of keys it takes seconds and much I/O, so call it rarely. ``pg_class.reltuples``
-    would be free but only estimates the total, and not per status, until the next ANALYZE.
+    millions of keys it takes seconds and much I/O, so call it rarely (``worker status``);
+    the metrics use ``inbox_gauge``.
     """
     stmt = select(inbox.c.status, func.count()).group_by(inbox.c.status)
     return {status: int(count) for status, count in await conn.execute(stmt)}
+
+
+EXACT_INBOX_COUNT_LIMIT = 100_000
+"""Up to about this many rows ``inbox_gauge`` counts the inbox exactly (a whole-inbox read of
+some 2,500 pages); above, it estimates."""
+
+INBOX_SIZE = text(
+    "SELECT greatest(s.n_live_tup, c.reltuples)::bigint,"
+    " p.most_common_vals::text::text[], p.most_common_freqs"
+    " FROM pg_class AS c"
+    " LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid"
+    " LEFT JOIN pg_stats AS p ON p.schemaname = c.relnamespace::regnamespace::text"
+    "  AND p.tablename = c.relname AND p.attname = 'status'"
+    " WHERE c.oid = 'inbox'::regclass"
+)
+"""The inbox's live rows as the statistics know them (the larger of the cumulative statistics'
+count and the last VACUUM or ANALYZE's), and the shares of ``status`` values the last ANALYZE
+found; no table is read."""
+
+
+@dataclass(frozen=True)
+class InboxGauge:
+    """Inbox keys by status for the metrics; ``estimated`` when they come from the statistics."""
+
+    counts: dict[str, int]
+    estimated: bool
+
+
+async def inbox_gauge(
+    conn: AsyncConnection, *, exact_up_to: int = EXACT_INBOX_COUNT_LIMIT
+) -> InboxGauge:
+    """Inbox keys by status, cheaply whatever the inbox's size.
+
+    An inbox the statistics put at ``exact_up_to`` rows or fewer is counted exactly
+    (``inbox_counts``). A larger one is never read as a whole: ``in_progress`` keys are counted
+    exactly through their partial index, ``failed`` ones estimated from the share of the status
+    the last ANALYZE found (0 before any), ``completed`` as the rest of the live rows.
+    """
+    size, values, shares = (await conn.execute(INBOX_SIZE)).one()
+    if size is None or size <= exact_up_to:
+        return InboxGauge(await inbox_counts(conn), estimated=False)
+    in_progress = int(
+        await conn.scalar(
+            select(func.count()).select_from(inbox).where(inbox.c.status == "in_progress")
+        )
+        or 0
+    )
+    share = dict(zip(values or (), shares or (), strict=True))
+    failed = round(share.get("failed", 0.0) * size)
+    completed = max(0, size - in_progress - failed)
+    counts = {"completed": completed, "failed": failed, "in_progress": in_progress}
+    return InboxGauge(counts, estimated=True)
 
 
 @dataclass(frozen=True)
