@@ -139,7 +139,8 @@ async def inbox_gauge(
     An inbox the statistics put at ``exact_up_to`` rows or fewer is counted exactly
     (``inbox_counts``). A larger one is never read as a whole: ``in_progress`` keys are counted
     exactly through their partial index, ``failed`` ones estimated from the share of the status
-    the last ANALYZE found (0 before any), ``completed`` as the rest of the live rows.
+    the last ANALYZE found (0 before any, and when its sample held none), ``completed`` as the
+    rest of the live rows.
     """
     size, values, shares = (await conn.execute(INBOX_SIZE)).one()
     if size is None or size <= exact_up_to:
