@@ -17,7 +17,7 @@ from aio_pika.abc import AbstractRobustConnection
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy import text
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from tests.helpers import wait_until
 from tests.integration.support import BASE, HANG_GUARD, request
@@ -147,6 +147,21 @@ async def test_two_metrics_objects_share_nothing() -> None:
     assert sample(second, "worker_messages_total", handler="h", outcome="processed") is None
 
 
+async def insert_inbox_keys(conn: AsyncConnection, **counts: int) -> None:
+    """``counts[status]`` inbox keys of each status, of one handler."""
+    await conn.execute(
+        text(
+            "INSERT INTO inbox (handler, key, fingerprint, status, routing_key) "
+            "VALUES ('h', :key, '\\x00', :status, 'k')"
+        ),
+        [
+            {"key": f"{status}-{i}", "status": status}
+            for status, count in counts.items()
+            for i in range(count)
+        ],
+    )
+
+
 async def test_refresh_of_an_empty_database_reports_zero(engine: AsyncEngine) -> None:
     metrics = Metrics()
     await metrics.refresh(engine)
@@ -176,17 +191,7 @@ async def test_refresh_reports_the_outbox_backlog_its_age_parked_rows_and_inbox_
                 "'{}', 10, now())"
             )
         )
-        await conn.execute(
-            text(
-                "INSERT INTO inbox (handler, key, fingerprint, status, routing_key) "
-                "VALUES ('h', :key, '\\x00', :status, 'k')"
-            ),
-            [
-                {"key": f"{status}-{i}", "status": status}
-                for status, count in (("completed", 4), ("failed", 2), ("in_progress", 1))
-                for i in range(count)
-            ],
-        )
+        await insert_inbox_keys(conn, completed=4, failed=2, in_progress=1)
     metrics = Metrics()
     await metrics.refresh(engine)
     assert sample(metrics, "worker_outbox_backlog") == 3
@@ -212,17 +217,7 @@ async def test_a_large_inbox_is_estimated_from_the_statistics_not_read_whole(
     engine: AsyncEngine,
 ) -> None:
     async with engine.begin() as conn:
-        await conn.execute(
-            text(
-                "INSERT INTO inbox (handler, key, fingerprint, status, routing_key) "
-                "VALUES ('h', :key, '\\x00', :status, 'k')"
-            ),
-            [
-                {"key": f"{status}-{i}", "status": status}
-                for status, count in (("completed", 30), ("failed", 10), ("in_progress", 2))
-                for i in range(count)
-            ],
-        )
+        await insert_inbox_keys(conn, completed=30, failed=10, in_progress=2)
         await conn.execute(text("ANALYZE inbox"))
     async with engine.begin() as conn:
         # a scan of the whole inbox stays possible, only costed out: the count below takes
