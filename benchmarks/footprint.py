@@ -31,7 +31,6 @@ import functools
 import itertools
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -47,8 +46,16 @@ from aio_pika.abc import AbstractExchange
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from benchmarks.processes import ROOT, WorkerFailed, stop_worker, until
 from benchmarks.relay_latency import delete_broker_objects, progress
-from benchmarks.throughput import count_rows, publish_all, reset_tables, settled_body
+from benchmarks.throughput import (
+    REQUESTED,
+    SEED,
+    count_rows,
+    publish_all,
+    reset_tables,
+    settled_body,
+)
 from examples.payments import router as payments_router
 from examples.payments.demo import plan_payments, request_message
 from worker.database import create_engine
@@ -61,25 +68,16 @@ from worker.transport.topology import declare_topology
 
 log = logging.getLogger("benchmarks.footprint")
 
-ROOT = Path(__file__).resolve().parents[1]
 APPLICATION_NAME = "bench-footprint"
 """This module's own database connections, left out of the backends' CPU."""
 SAMPLE_INTERVAL = 0.2
 WINDOW = 2.0
 """Seconds over which the busiest share of a core is measured."""
-POLL_INTERVAL = 0.02
 BIG_BODY = 1_000_000
 """Bytes of padding in each payment of the ``big`` scenario (under the 1 MiB ``max_body_bytes``)."""
-STOP_TIMEOUT = 60.0
-SEED = 1
-REQUESTED = "payment.requested"
 SETTLED = "payment.settled"
 TICKS = os.sysconf("SC_CLK_TCK")
 SCENARIOS = ("run", "relay", "serve", "big")
-
-
-class Failed(Exception):
-    """The process under test stopped, timed out or left work undone."""
 
 
 @dataclass
@@ -229,25 +227,6 @@ def started(settings: Settings, *args: str) -> Iterator[subprocess.Popen[bytes]]
             process.wait()
 
 
-async def stop(process: subprocess.Popen[bytes]) -> None:
-    """SIGTERM; ``Failed`` unless the process exits 0 in time."""
-    process.send_signal(signal.SIGTERM)
-    try:
-        status = await asyncio.to_thread(process.wait, STOP_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise Failed(f"{process.args!r} did not stop within {STOP_TIMEOUT:g} s") from None
-    if status != 0:
-        raise Failed(f"{process.args!r} exited {status} on SIGTERM")
-
-
-async def until(condition: Callable[[], Awaitable[bool]], process: subprocess.Popen[bytes]) -> None:
-    """Poll ``condition``; ``Failed`` if the process exits first."""
-    while not await condition():
-        if process.poll() is not None:
-            raise Failed(f"{process.args!r} exited {process.returncode} before it was done")
-        await asyncio.sleep(POLL_INTERVAL)
-
-
 async def timed_drain(
     count: Callable[[], Awaitable[int]],
     total: int,
@@ -309,7 +288,7 @@ async def drain_requests(run: Run) -> Measured:
                 items, seconds = await timed_drain(
                     ledger, len(plan.sends), process, footprint, run.engine
                 )
-                await stop(process)
+                await stop_worker(process)
     return Measured("run", "worker run --no-relay, msg/s", items, seconds, footprint)
 
 
@@ -351,7 +330,7 @@ async def drain_outbox(run: Run) -> Measured:
         with started(run.settings, "relay") as process:
             async with sampled(process, run.engine) as footprint:
                 items, seconds = await timed_drain(published, total, process, footprint, run.engine)
-                await stop(process)
+                await stop_worker(process)
     finally:
         await connection.close()
         await delete_broker_objects(run.settings, [sink])
@@ -374,7 +353,7 @@ async def take_requests(run: Run) -> Measured:
                     json={"payment_id": f"f{i}", "account": f"a{i % 1000}", "amount_cents": 100},
                 )
                 if answer.status_code != 202:
-                    raise Failed(f"the ingress answered {answer.status_code}: {answer.text}")
+                    raise WorkerFailed(f"the ingress answered {answer.status_code}: {answer.text}")
 
     async def listening() -> bool:
         with contextlib.suppress(httpx.TransportError):
@@ -391,7 +370,7 @@ async def take_requests(run: Run) -> Measured:
             await asyncio.gather(*(client() for _ in range(run.options.clients)))
             seconds = time.perf_counter() - since
             await footprint.end(process.pid, run.engine)
-            await stop(process)
+            await stop_worker(process)
     return Measured(
         "serve",
         f"worker serve, {run.options.clients} clients, requests/s",
@@ -425,7 +404,7 @@ async def stalled_big_bodies(run: Run) -> Measured:
                     items, seconds = await timed_drain(
                         ledger, count, process, footprint, run.engine
                     )
-                    await stop(process)
+                    await stop_worker(process)
     what = f"worker run, {BIG_BODY // 1000} kB bodies after a {run.options.stall:g} s stall, msg/s"
     return Measured("big", what, items, seconds, footprint)
 
@@ -472,7 +451,9 @@ async def run_scenarios(settings: Settings, options: Options) -> list[Measured]:
                 async with asyncio.timeout(options.timeout):
                     results.append(await RUNS[scenario](Run(names, engine, options)))
             except TimeoutError:
-                raise Failed(f"{scenario} did not finish within {options.timeout:g} s") from None
+                raise WorkerFailed(
+                    f"{scenario} did not finish within {options.timeout:g} s"
+                ) from None
     finally:
         await engine.dispose()
     return results
