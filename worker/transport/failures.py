@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import aiormq.exceptions
@@ -101,6 +101,17 @@ class _Parking:
 
     failed: _Failed
     park: Park
+
+
+async def _confirmed(publishes: Iterable[Awaitable[object]]) -> list[Exception | None]:
+    """Await ``publishes`` all at once: for each, None once the broker confirmed it, else the
+    error that kept it from being confirmed. A cancellation is raised: the shutdown's grace
+    period is over."""
+    outcomes = await asyncio.gather(*publishes, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, Exception):
+            raise outcome
+    return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
 
 
 def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
@@ -284,24 +295,18 @@ class Failures:
         topology = self._topology()
         copied = [False] * len(messages)
         if self._returns_count and topology is not None:
-            sent = await asyncio.gather(
-                *(
-                    topology.default_exchange.publish(
-                        dead_letters.moved_copy(message),
-                        routing_key=self.settings.queue,
-                        mandatory=True,
-                    )
-                    for message in messages
-                ),
-                return_exceptions=True,
+            errors = await _confirmed(
+                topology.default_exchange.publish(
+                    dead_letters.moved_copy(message),
+                    routing_key=self.settings.queue,
+                    mandatory=True,
+                )
+                for message in messages
             )
-            for index, outcome in enumerate(sent):
-                if isinstance(outcome, Exception):
-                    log.debug("could not return %s as a copy", messages[index].message_id)
-                elif isinstance(outcome, BaseException):
-                    raise outcome  # cancelled: the shutdown's grace period is over
-                else:
-                    copied[index] = True
+            for message, error in zip(messages, errors, strict=True):
+                if error is not None:
+                    log.debug("could not return %s as a copy: %r", message.message_id, error)
+            copied = [error is None for error in errors]
             await self.settlements.ack(
                 [m for m, done in zip(messages, copied, strict=True) if done]
             )
@@ -405,18 +410,15 @@ class Failures:
                     await self._reject_to_broker(message, copy.failed.failure, copy.reason)
             else:
                 sending.append(index)
-        sent = await asyncio.gather(
-            *(copies[index].publish(topology.default_exchange) for index in sending),
-            return_exceptions=True,
+        errors = await _confirmed(
+            copies[index].publish(topology.default_exchange) for index in sending
         )
-        for index, outcome in zip(sending, sent, strict=True):
-            if outcome is None:
+        for index, error in zip(sending, errors, strict=True):
+            if error is None:
                 confirmed[index] = True
-            elif not isinstance(outcome, Exception):
-                raise outcome  # cancelled: the shutdown's grace period is over
             else:
                 with copies[index].failed.logged():
-                    await self._copy_failed(copies[index], outcome)
+                    await self._copy_failed(copies[index], error)
         return confirmed
 
     async def _copy_failed(self, copy: _Copy, exc: Exception) -> None:
