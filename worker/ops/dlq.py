@@ -69,12 +69,13 @@ class Parked:
                 return value.decode("utf-8", "replace")
             return default if value is None else str(value)
 
+        # without x-worker headers, the broker itself dead-lettered the message
+        reason = text(REASON) or BROKER_REASONS.get(text("x-first-death-reason"), "broker")
         return cls(
             key=key_of(message),
             handler=text(HANDLER) or None,
-            # without x-worker headers, the broker itself dead-lettered the message
-            reason=text(REASON) or _broker_reason(headers),
-            error=text(ERROR) or _broker_error(headers),
+            reason=reason,
+            error=text(ERROR) or BROKER_ERRORS.get(reason, ""),
             exception_type=text(EXCEPTION_TYPE),
             attempts=attempts if isinstance(attempts := headers.get(ATTEMPTS), int) else 0,
             first_failure_at=text(FIRST_FAILURE_AT),
@@ -105,18 +106,10 @@ BROKER_REASONS = {"delivery_limit": "delivery-limit"}
 """Reasons of the broker's own dead-lettering (``x-first-death-reason``) shown by name; the
 others (a rejected or expired message) show as ``broker``."""
 
-
-def _broker_reason(headers: Mapping[str, Any]) -> str:
-    reason = headers.get("x-first-death-reason")
-    if isinstance(reason, bytes):
-        reason = reason.decode("utf-8", "replace")
-    return BROKER_REASONS.get(reason, "broker") if isinstance(reason, str) else "broker"
-
-
-def _broker_error(headers: Mapping[str, Any]) -> str:
-    if _broker_reason(headers) == "delivery-limit":
-        return "delivered the work queue's delivery_limit times without a settlement"
-    return ""
+BROKER_ERRORS = {
+    "delivery-limit": "delivered the work queue's delivery_limit times without a settlement"
+}
+"""What a reason of the broker's own dead-lettering means, shown as the error."""
 
 
 def _broker_death_time(headers: Mapping[str, Any]) -> datetime | None:
