@@ -550,6 +550,12 @@ class Settings:
         return f"{self.queue}.retry.{format_duration(delay)}"
 
     @property
+    def work_queue_delivery_limit(self) -> int:
+        """The delivery limit the work queue is declared with: ``delivery_limit`` on a quorum
+        queue, 0 (none) on a classic one, which has none."""
+        return self.delivery_limit if self.queue_type == "quorum" else 0
+
+    @property
     def amqp_urls(self) -> tuple[str, ...]:
         """The broker URLs of ``amqp_url``, one per node, in the order they are tried first."""
         return broker_urls(self.amqp_url)

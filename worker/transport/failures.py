@@ -317,7 +317,7 @@ class Failures:
     @property
     def _returns_count(self) -> bool:
         """Whether the broker counts a returned delivery toward a delivery limit."""
-        return self.settings.queue_type == "quorum" and self.settings.delivery_limit > 0
+        return self.settings.work_queue_delivery_limit > 0
 
     async def _retry_later(self, failed: _Failed, queue: RetryQueue) -> None:
         message, failure = failed.message, failed.failure

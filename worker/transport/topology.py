@@ -65,8 +65,8 @@ def work_queue_arguments(settings: Settings) -> dict[str, Any]:
     arguments = _typed(
         settings, {"x-dead-letter-exchange": settings.dead_letter_exchange}, dead_letters=True
     )
-    if settings.queue_type == "quorum" and settings.delivery_limit:
-        arguments["x-delivery-limit"] = settings.delivery_limit
+    if limit := settings.work_queue_delivery_limit:
+        arguments["x-delivery-limit"] = limit
     return arguments
 
 
