@@ -112,18 +112,28 @@ def _holding_name(name: str) -> str:
     return f"{name}{HOLDING_SUFFIX}"
 
 
+def _bindings(
+    settings: Settings, name: str, routing_keys: Sequence[str]
+) -> list[tuple[str, str | None]]:
+    """The (exchange, routing key) bindings of the worker's queue ``name``: the work queue's to
+    the exchange with every routing key, the dead-letter queue's to the dead-letter exchange;
+    none for a retry queue (messages reach it through the default exchange)."""
+    if name == settings.queue:
+        return [(settings.exchange, routing_key) for routing_key in routing_keys]
+    if name == settings.dead_letter_queue:
+        return [(settings.dead_letter_exchange, None)]
+    return []
+
+
 async def _holding(
     channel: AbstractChannel, settings: Settings, name: str, routing_keys: Sequence[str]
 ) -> str:
     """Declare ``name``'s holding queue, bound as ``name`` is; return its name."""
     holding = _holding_name(name)
     queue = await channel.declare_queue(holding, durable=True)  # (classic, whatever the type)
-    exchange, dead_letter_exchange = await declare_exchanges(channel, settings)
-    if name == settings.queue:
-        for routing_key in routing_keys:
-            await queue.bind(exchange, routing_key)
-    elif name == settings.dead_letter_queue:
-        await queue.bind(dead_letter_exchange)
+    await declare_exchanges(channel, settings)
+    for exchange, routing_key in _bindings(settings, name, routing_keys):
+        await queue.bind(exchange, routing_key)
     return holding
 
 
@@ -131,11 +141,8 @@ async def _unbind(
     channel: AbstractChannel, settings: Settings, name: str, routing_keys: Sequence[str]
 ) -> None:
     queue = await channel.declare_queue(_holding_name(name), passive=True)
-    if name == settings.queue:
-        for routing_key in routing_keys:
-            await queue.unbind(settings.exchange, routing_key)
-    elif name == settings.dead_letter_queue:
-        await queue.unbind(settings.dead_letter_exchange)
+    for exchange, routing_key in _bindings(settings, name, routing_keys):
+        await queue.unbind(exchange, routing_key)
 
 
 async def _move(channel: AbstractChannel, source: str, target: str) -> int:
