@@ -403,13 +403,7 @@ class Consumer:
             )
             messages = live
         if self.paused:
-            routed = [self.router.find(delivery_from_amqp(m).routing_key) for m in messages]
-            await self.failures.requeue_all(
-                [
-                    (message, handler.name if handler is not None else None)
-                    for message, handler in zip(messages, routed, strict=True)
-                ]
-            )
+            await self.failures.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
         together: list[tuple[AbstractIncomingMessage, Envelope]] = []
         alone: list[tuple[AbstractIncomingMessage, Envelope]] = []
@@ -487,6 +481,11 @@ class Consumer:
             await self.failures.failed_in_committed_batch(after.failed)
             for message, envelope in after.alone:
                 await self._process_alone(message, envelope)
+
+    def _handler_name(self, message: AbstractIncomingMessage) -> str | None:
+        """The name of the handler of ``message``'s routing key, if one is registered."""
+        handler = self.router.find(delivery_from_amqp(message).routing_key)
+        return handler.name if handler is not None else None
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()
