@@ -18,6 +18,7 @@ import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from examples.payments.demo import DemoPlan
 from worker.core.envelope import Delivery, Envelope, open_envelope
 from worker.core.router import Router
 from worker.errors import NoPrimary
@@ -55,6 +56,20 @@ async def wait_until(predicate: Any, timeout: float = 20.0, interval: float = 0.
         if loop.time() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         await asyncio.sleep(interval)
+
+
+async def assert_each_payment_applied_once(engine: AsyncEngine, plan: DemoPlan) -> None:
+    """The payments example's promise after a run that lost nodes or connections: every payment
+    of ``plan`` applied once (balances, ledger) and its notice recorded, no key failed or left
+    in progress, the outbox drained and nothing parked by the relay."""
+    balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
+    assert balances == plan.expected_balances, "an effect was lost or applied twice"
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == len(plan.payments)
+    assert await scalar(engine, "SELECT count(*) FROM settlement_notices") == len(plan.payments)
+    stuck = await scalar(engine, "SELECT count(*) FROM inbox WHERE status <> 'completed'")
+    assert stuck == 0, "an inbox row is stuck in progress or failed"
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 0, "an event was not published"
+    assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
 
 
 def free_port() -> int:

@@ -34,7 +34,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from examples.payments.demo import DemoPlan, plan_payments, request_message
 from tests.cluster.conftest import Cluster, amqp_port
-from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until, worker_environ
+from tests.helpers import (
+    WORKER_SCRIPT,
+    assert_each_payment_applied_once,
+    run,
+    scalar,
+    wait_until,
+    worker_environ,
+)
 from tests.integration.support import start_worker
 from worker.settings import Settings
 from worker.transport.connection import connect
@@ -194,14 +201,7 @@ async def batches_held(engine: AsyncEngine) -> bool:
 async def assert_nothing_lost_or_doubled(
     engine: AsyncEngine, cluster: Cluster, settings: Settings, load: DemoPlan, node: int
 ) -> None:
-    balances = dict(await rows(engine, "SELECT account, balance_cents FROM accounts"))
-    assert balances == load.expected_balances, "an effect was lost or applied twice"
-    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == len(load.payments)
-    assert await scalar(engine, "SELECT count(*) FROM settlement_notices") == len(load.payments)
-    stuck = await scalar(engine, "SELECT count(*) FROM inbox WHERE status <> 'completed'")
-    assert stuck == 0, "an inbox row is stuck in progress or failed"
-    assert await scalar(engine, "SELECT count(*) FROM outbox") == 0, "an event was not published"
-    assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
+    await assert_each_payment_applied_once(engine, load)
     assert await cluster.depth(settings.queue, on=node) == 0, "a message was left in the queue"
     assert await cluster.depth(settings.dead_letter_queue, on=node) == 0, "a message was parked"
     verified = await asyncio.to_thread(
