@@ -33,7 +33,8 @@ log = logging.getLogger("worker")
 T = TypeVar("T")
 
 STARTUP_TIMEOUT = 60.0
-"""Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts.
+"""Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts, unless told
+otherwise (the ``startup_timeout`` setting).
 
 Each policy logs its retries on ``logger``, the caller's, so a warning names who is retrying."""
 
@@ -49,11 +50,11 @@ class _Starting(AsyncRetrying):
             return result
 
 
-def while_starting(logger: logging.Logger = log) -> AsyncRetrying:
-    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up; a
-    refusal raises ``AccessRefused`` at once."""
+def while_starting(logger: logging.Logger = log, within: float = STARTUP_TIMEOUT) -> AsyncRetrying:
+    """Retries for connecting at start, for ``within`` seconds, while PostgreSQL or RabbitMQ may
+    still be coming up; a refusal raises ``AccessRefused`` at once."""
     return _Starting(
-        stop=stop_after_delay(STARTUP_TIMEOUT),
+        stop=stop_after_delay(within),
         wait=wait_exponential(multiplier=0.2, max=5),
         retry=retry_if_exception(is_transient_at_start),
         before_sleep=before_sleep_log(logger, logging.WARNING),

@@ -19,7 +19,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import re
 import traceback
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
@@ -28,6 +27,7 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from worker import redaction
 from worker.core.envelope import Delivery, Envelope
 from worker.errors import ConfigurationError
 from worker.settings import Settings
@@ -38,8 +38,6 @@ MESSAGE_FIELDS = ("message_id", "key", "handler", "correlation_id")
 _message: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
     "worker_message", default=MappingProxyType({})
 )
-
-_PASSWORD_IN_URL = re.compile(r"(?P<prefix>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
 
 
 def _escape(code: int) -> str:
@@ -74,9 +72,8 @@ def printable_lines(text: str) -> str:
     return "\n".join(map(printable, text.split("\n")))
 
 
-def redact_text(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``."""
-    return _PASSWORD_IN_URL.sub(r"\g<prefix>***@", text)
+redact_text = redaction.redact
+"""``text`` with every secret hidden (``worker.redaction.redact``)."""
 
 
 def describe_error(exc: BaseException) -> str:
@@ -197,7 +194,11 @@ class JsonFormatter(logging.Formatter):
 
 
 def configure(settings: Settings) -> None:
-    """Send the process's logs to stderr in ``settings.log_format`` at ``settings.log_level``."""
+    """Send the process's logs to stderr in ``settings.log_format`` at ``settings.log_level``,
+    the libraries' records about reconnects the worker handles demoted (``LibraryNoise``), and
+    the ingress's tokens hidden from whatever the process prints from now on (URLs' secrets
+    have a shape ``redact_text`` recognises; a token has none)."""
+    redaction.remember(settings.ingress_tokens)
     handler = logging.StreamHandler()
     handler.addFilter(MessageFilter())
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())

@@ -16,8 +16,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from worker import redaction
 from worker.core.codec import DEFAULT_MAX_DEPTH
 from worker.errors import ConfigurationError
 
@@ -255,6 +256,13 @@ class Settings:
         "RabbitMQ URL, `amqp://user:pass@host:port/vhost`; `amqps://` for TLS. Several, "
         "separated by commas, are the nodes of one cluster: connections try them in order, "
         "and one that is lost reconnects to the next (see RabbitMQ clusters)",
+    )
+    startup_timeout: float = setting(
+        60.0,
+        duration_or_zero,
+        Group.DEPLOYMENT,
+        "how long a command keeps trying to reach PostgreSQL and RabbitMQ when it starts (they "
+        "may be starting too) before it exits with status 3; `0`: one attempt",
     )
     exchange: str = setting(
         "events",
@@ -533,7 +541,7 @@ class Settings:
             try:
                 values[spec.name] = spec.parse(raw)
             except ValueError as exc:
-                raise ConfigurationError(f"{spec.env}={raw!r}: {exc}") from exc
+                raise ConfigurationError(f"{spec.env}{spec.shown(raw)}: {exc}") from None
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -619,11 +627,14 @@ class Field:
     help: str
     group: Group
     default: Any
+    secret: bool = False
+    """Declared ``secret``: its value is never shown, not even in an error about it."""
 
     @classmethod
     def of(cls, declared: dataclasses.Field[Any]) -> Field:
         spec: _Spec = declared.metadata[_SPEC]
-        return cls(declared.name, spec.parse, spec.help, spec.group, declared.default)
+        secret = not declared.repr
+        return cls(declared.name, spec.parse, spec.help, spec.group, declared.default, secret)
 
     @property
     def env(self) -> str:
@@ -632,6 +643,11 @@ class Field:
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def shown(self, raw: str) -> str:
+        """``=<raw>`` for an error about a value of this setting, redacted; nothing for a
+        secret."""
+        return "" if self.secret else f"={redaction.redact(repr(raw))}"
 
     @property
     def switch(self) -> bool:
@@ -663,12 +679,6 @@ FIELDS: tuple[Field, ...] = tuple(Field.of(declared) for declared in dataclasses
 
 
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, safe to log; each URL of a broker list."""
-    if len(urls := broker_urls(url)) > 1:
-        return ",".join(map(redact, urls))
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """``url`` safe to print (``worker.redaction.redact``: its password, its secret query
+    parameters); each URL of a broker list."""
+    return redaction.redact(url)

@@ -25,8 +25,9 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
+from worker.errors import AccessRefused, Service, cannot_reach, innermost
 from worker.logs import describe_error
-from worker.settings import Settings, format_duration, redact
+from worker.settings import Settings, format_duration
 from worker.sql import inspection
 from worker.sql.tables import INBOX_STATUSES
 from worker.transport.connection import connect
@@ -157,35 +158,33 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
 
     errors: dict[str, str] = {}
     database, queues = await asyncio.gather(
-        _part(
-            read_database(),
-            answer_within,
-            errors,
-            "database",
-            f"cannot read PostgreSQL at {redact(settings.database_url)}",
-        ),
-        _part(
-            read_broker(),
-            answer_within,
-            errors,
-            "broker",
-            f"cannot read RabbitMQ at {redact(settings.amqp_url)}",
-        ),
+        _part(read_database(), answer_within, errors, "database", Service.POSTGRESQL, settings),
+        _part(read_broker(), answer_within, errors, "broker", Service.RABBITMQ, settings),
     )
     return Status(queues=queues, database=database, errors=errors)
 
 
 async def _part(
-    read: Awaitable[_T], answer_within: float, errors: dict[str, str], part: str, failure: str
+    read: Awaitable[_T],
+    answer_within: float,
+    errors: dict[str, str],
+    part: str,
+    service: Service,
+    settings: Settings,
 ) -> _T | None:
-    """``read``'s result, or None with ``failure`` and the cause recorded in ``errors[part]``."""
+    """``read``'s result, or None with why ``service`` could not be read in ``errors[part]``:
+    a refusal's own sentence, else ``cannot_reach``'s."""
+    url = settings.database_url if service is Service.POSTGRESQL else settings.amqp_url
     try:
         async with asyncio.timeout(answer_within):
             return await read
     except TimeoutError:
-        errors[part] = f"{failure}: no answer within {format_duration(answer_within)}"
+        cause = f"no answer within {format_duration(answer_within)}"
+        errors[part] = cannot_reach(service, url, cause)
+    except AccessRefused as exc:
+        errors[part] = str(exc)
     except Exception as exc:
-        errors[part] = f"{failure}: {describe_error(exc)}"
+        errors[part] = cannot_reach(service, url, describe_error(innermost(exc)))
     return None
 
 

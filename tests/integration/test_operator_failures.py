@@ -1,0 +1,268 @@
+"""What an operator meets when things fail, from the real ``worker`` command: a service it
+cannot reach ends a command in one sentence with its own exit status, a signal while it still
+connects stops it at once, a closed pipe ends it quietly, and the client libraries' records about
+a reconnect the worker handles never reach ERROR."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aio_pika import Message
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from tests.helpers import WORKER_SCRIPT, close_broker_connections, free_port, run, scalar
+from tests.helpers import wait_until, worker_environ
+from tests.integration.support import ROOT, declare, start_worker
+from worker.ops.cli import Exit
+from worker.settings import Settings
+
+UNREACHABLE_AMQP = "amqp://guest:guest@127.0.0.1:{port}/"
+UNREACHABLE_DATABASE = "postgresql://postgres:pw@127.0.0.1:{port}/nothing"
+RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (?P<level>[A-Z]+) (?P<logger>\S+): ")
+
+
+def records(output: str) -> list[tuple[str, str, str]]:
+    """(level, logger, line) of each log record of a text log; other lines are left out."""
+    found = []
+    for line in output.splitlines():
+        if match := RECORD.match(line):
+            found.append((match["level"], match["logger"], line))
+    return found
+
+
+def traceback_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line.startswith("Traceback (most recent")]
+
+
+def environ(settings: Settings, **extra: str) -> dict[str, str]:
+    return {
+        "PYTHONPATH": str(ROOT),
+        **worker_environ(settings, WORKER_HANDLERS="examples.payments", **extra),
+    }
+
+
+def worker(settings: Settings, *argv: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    return run(WORKER_SCRIPT, *argv, **environ(settings, **extra))
+
+
+@pytest.mark.parametrize(
+    ("argv", "service"),
+    [
+        (["status"], "RabbitMQ"),
+        (["verify"], "RabbitMQ"),
+        (["declare"], "RabbitMQ"),
+        (["dlq", "list"], "RabbitMQ"),
+        (["gc"], "PostgreSQL"),
+        (["outbox", "list"], "PostgreSQL"),
+        (["workflows"], "PostgreSQL"),
+        (["dlq", "replay", "--all"], "PostgreSQL"),
+        (["migrate", "--no-declare"], "PostgreSQL"),
+    ],
+)
+def test_a_service_not_reached_ends_a_command_in_one_sentence(
+    settings: Settings, argv: list[str], service: str
+) -> None:
+    # Given the one service nothing listens for (the other one is the test's own)
+    port = free_port()
+    broken = (
+        {"WORKER_AMQP_URL": UNREACHABLE_AMQP.format(port=port)}
+        if service == "RabbitMQ"
+        else {"WORKER_DATABASE_URL": UNREACHABLE_DATABASE.format(port=port)}
+    )
+    variable = next(iter(broken))
+    # When a command needs it (one that retries at start gets a short deadline)
+    done = worker(settings, *argv, WORKER_STARTUP_TIMEOUT="1s", **broken)
+
+    # Then it says so in one sentence, with the URL redacted and the variable to fix, and
+    # exits with the status of an unreachable service; no traceback, no library ERROR
+    lines = done.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("worker: error:")]
+    assert done.returncode == Exit.UNREACHABLE, done.stdout + done.stderr
+    assert len(errors) >= 1, done.stderr
+    sentence = errors[-1]
+    assert f"cannot reach {service} at " in sentence or f"cannot read {service} at " in sentence
+    assert f":{port}" in sentence
+    assert variable in sentence
+    assert ":pw@" not in done.stderr and "guest:guest@" not in done.stderr
+    assert not traceback_lines(done.stdout + done.stderr)
+    assert not [r for r in records(done.stderr) if r[0] in {"ERROR", "CRITICAL"}], done.stderr
+
+
+def test_the_traceback_is_there_at_debug_level(settings: Settings) -> None:
+    port = free_port()
+    done = worker(
+        settings,
+        "gc",
+        "--log-level",
+        "DEBUG",
+        WORKER_DATABASE_URL=UNREACHABLE_DATABASE.format(port=port),
+    )
+    assert done.returncode == Exit.UNREACHABLE
+    assert traceback_lines(done.stderr), done.stderr
+    assert done.stderr.splitlines()[-1].startswith("worker: error: cannot reach PostgreSQL at ")
+
+
+@pytest.mark.parametrize("command", ["run", "relay", "serve"])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_connecting_stops_the_command_at_once(
+    settings: Settings, tmp_path: Path, command: str, signum: signal.Signals
+) -> None:
+    if command == "serve":
+        pytest.importorskip("uvicorn")
+    # Given a long-running command retrying an unreachable broker or database at start
+    log = tmp_path / "worker.log"
+    port = free_port()
+    broken = (
+        {"WORKER_DATABASE_URL": UNREACHABLE_DATABASE.format(port=port)}
+        if command == "serve"
+        else {"WORKER_AMQP_URL": UNREACHABLE_AMQP.format(port=port)}
+    )
+    process = start_worker(settings, log, command, WORKER_HANDLERS="examples.payments", **broken)
+    try:
+        retrying = "Retrying" if command != "serve" else "retrying"
+
+        def retries() -> bool:
+            return "etrying" in log.read_text(errors="replace")
+
+        deadline = time.monotonic() + 60
+        while not retries() and time.monotonic() < deadline and process.poll() is None:
+            time.sleep(0.1)
+        assert retries(), log.read_text(errors="replace") + retrying
+        # When it gets the signal
+        sent = time.monotonic()
+        process.send_signal(signum)
+        process.wait(timeout=30)
+        took = time.monotonic() - sent
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    # Then it stops promptly (a loose bound on a shared machine), with 128 + the signal
+    output = log.read_text(errors="replace")
+    assert process.returncode == 128 + signum, output
+    assert took < 10, f"took {took:.1f} s"
+    assert output.splitlines()[-1] == f"worker: {command} stopped by {signum.name} while starting"
+    assert not traceback_lines(output), output
+    assert not [r for r in records(output) if r[0] in {"ERROR", "CRITICAL"}], output
+
+
+def test_a_wrong_virtual_host_is_a_sentence(settings: Settings) -> None:
+    url = settings.amqp_url.rstrip("/") + "/no-such-vhost-for-the-test"
+    done = worker(settings, "declare", WORKER_AMQP_URL=url)
+    assert done.returncode == Exit.USAGE, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
+    assert "RabbitMQ refused the virtual host" in line
+    assert "WORKER_AMQP_URL" in line
+    assert " object at 0x" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "argv", [["status"], ["--help"], ["dlq", "list"], ["asyncapi"], ["verify"]]
+)
+def test_a_closed_pipe_ends_quietly(settings: Settings, argv: list[str]) -> None:
+    # Given a reader that takes the first line and goes away
+    env = {**environ(settings)}
+    shell = f'{WORKER_SCRIPT} {" ".join(argv)} | head -1; echo "status=${{PIPESTATUS[0]}}"'
+    done = subprocess.run(
+        ["bash", "-c", shell],
+        capture_output=True,
+        text=True,
+        env={**_base_environ(), **env},
+        timeout=60,
+        check=False,
+    )
+    # Then the worker says nothing about it and exits as a command killed by SIGPIPE would
+    assert "BrokenPipeError" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert done.stderr == "", done.stderr
+    status = done.stdout.splitlines()[-1]
+    assert status in {"status=0", f"status={Exit.BROKEN_PIPE}"}, done.stdout
+
+
+def _base_environ() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+
+
+pytestmark_reconnect = pytest.mark.skipif(
+    shutil.which("rabbitmqctl") is None or not Path("/proc/net/tcp").exists(),
+    reason="needs rabbitmqctl and Linux's /proc to close the worker's broker connections",
+)
+
+
+@pytestmark_reconnect
+async def test_a_handled_reconnect_logs_no_error(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    # Given a worker consuming a steady stream of payments
+    await declare(amqp, settings)
+    log = tmp_path / "worker.log"
+    process = start_worker(settings, log, WORKER_HANDLERS="examples.payments")
+    stop_publishing = asyncio.Event()
+    sent = 0
+
+    async def publish_steadily() -> None:
+        nonlocal sent
+        channel = await amqp.channel()
+        exchange = await channel.get_exchange(settings.exchange)
+        while not stop_publishing.is_set():
+            body = {"payment_id": f"p-{sent}", "account": "noise", "amount_cents": 1}
+            await exchange.publish(
+                Message(json.dumps(body).encode(), headers={"idempotency-key": f"p-{sent}"}),
+                routing_key="payment.requested",
+            )
+            sent += 1
+            await asyncio.sleep(0.005)
+
+    try:
+
+        async def started() -> bool:
+            return "consuming" in log.read_text(errors="replace")
+
+        await wait_until(started, timeout=60)
+        publisher = asyncio.create_task(publish_steadily())
+        # When the broker closes the worker's connections, twice, under load
+        for cut in range(2):
+            await asyncio.sleep(1.0)
+            assert await close_broker_connections([process.pid], settings.amqp_url, f"cut {cut}")
+
+            async def reconnected(times: int = cut + 1) -> bool:
+                return log.read_text(errors="replace").count("reconnected to") >= times
+
+            await wait_until(reconnected, timeout=60)
+        await asyncio.sleep(1.0)
+        stop_publishing.set()
+        await publisher
+
+        async def all_handled() -> bool:
+            count = await scalar(engine, "SELECT count(*) FROM inbox WHERE key LIKE 'p-%'")
+            return bool(count >= sent)
+
+        await wait_until(all_handled, timeout=90)
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    output = log.read_text(errors="replace")
+    # Then the worker says what happened at WARNING, and nothing reaches ERROR or shows a
+    # traceback, from the worker or its libraries
+    assert process.returncode == 0, output
+    found = records(output)
+    warnings = [line for level, logger, line in found if level == "WARNING"]
+    assert any("lost" in line and "reconnecting" in line for line in warnings), output
+    assert not [line for level, _, line in found if level in {"ERROR", "CRITICAL"}], output
+    assert not traceback_lines(output), output
+    print(f"published {sent}; {len(found)} records", file=sys.stderr)
