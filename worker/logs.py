@@ -29,7 +29,7 @@ from sqlalchemy.exc import DBAPIError
 
 from worker import redaction
 from worker.core.envelope import Delivery, Envelope
-from worker.errors import ConfigurationError
+from worker.errors import ConfigurationError, unreachable_service
 from worker.settings import Settings
 
 MESSAGE_FIELDS = ("message_id", "key", "handler", "correlation_id")
@@ -193,6 +193,66 @@ class JsonFormatter(logging.Formatter):
         return redact_text(json.dumps(entry, default=str))
 
 
+CLIENT_LIBRARIES = frozenset({"aio_pika", "aiormq", "pamqp", "asyncpg", "uvicorn", "asyncio"})
+"""The loggers (by top-level name) whose records ``LibraryNoise`` looks at: the clients of
+PostgreSQL and RabbitMQ, the ingress's server, and asyncio (its "exception was never retrieved"
+of a connection's dead task)."""
+
+RECONNECT_MESSAGES = {
+    "Unexpected connection close from remote": logging.DEBUG,
+    "Got frame for closed channel": logging.DEBUG,
+    "Reconnect attempt failed": logging.WARNING,
+}
+"""What aiormq and aio-pika say while a robust connection reconnects, by how the message
+starts, and the level it deserves: the worker logs the loss itself (a WARNING with the cause,
+``worker.transport.connection``); a failed attempt to reconnect it does not, so that one stays a
+WARNING."""
+
+
+class LibraryNoise(logging.Filter):
+    """The client libraries' records about a reconnect the worker handles, demoted.
+
+    A record of ``CLIENT_LIBRARIES`` at WARNING or above is demoted when it is one of
+    ``RECONNECT_MESSAGES``, or when the exception it carries is a failure to reach PostgreSQL or
+    RabbitMQ (``errors.unreachable_service``: a refused or lost connection, raised inside their
+    clients), which the worker retries and reports in its own words; it then goes to DEBUG,
+    with its traceback, and is shown only at that level. Anything else (a library's bug, an
+    unexpected frame, an error the worker does not handle) keeps its level: a real failure
+    still reaches ERROR.
+    """
+
+    def __init__(self, shown_from: int) -> None:
+        super().__init__()
+        self.shown_from = shown_from
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            record.levelno < logging.WARNING
+            or record.name.partition(".")[0] not in CLIENT_LIBRARIES
+        ):
+            return True
+        level = self._demoted_level(record)
+        if level is None or level >= record.levelno:
+            return True
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        if level > logging.DEBUG:
+            record.exc_info, record.exc_text = None, None
+        return level >= self.shown_from
+
+    @staticmethod
+    def _demoted_level(record: logging.LogRecord) -> int | None:
+        template = str(record.msg)
+        for start, level in RECONNECT_MESSAGES.items():
+            if template.startswith(start):
+                return level
+        carried = record.exc_info[1] if record.exc_info else None
+        if carried is None and isinstance(record.args, tuple):
+            carried = next((a for a in record.args if isinstance(a, BaseException)), None)
+        if carried is not None and unreachable_service(carried) is not None:
+            return logging.DEBUG
+        return None
+
+
 def configure(settings: Settings) -> None:
     """Send the process's logs to stderr in ``settings.log_format`` at ``settings.log_level``,
     the libraries' records about reconnects the worker handles demoted (``LibraryNoise``), and
@@ -209,6 +269,7 @@ def configure(settings: Settings) -> None:
         raise ConfigurationError(
             f"log_level {settings.log_level!r}: must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
         ) from None
+    handler.addFilter(LibraryNoise(root.getEffectiveLevel()))
     root.handlers[:] = [handler]
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)

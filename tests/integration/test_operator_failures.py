@@ -14,15 +14,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import WORKER_SCRIPT, close_broker_connections, free_port, run, scalar
-from tests.helpers import wait_until, worker_environ
+from tests.helpers import (
+    WORKER_SCRIPT,
+    close_broker_connections,
+    free_port,
+    run,
+    scalar,
+    wait_until,
+    worker_environ,
+)
 from tests.integration.support import ROOT, declare, start_worker
+from tests.integration.tcp_proxy import TcpProxy, tcp_proxy
 from worker.ops.cli import Exit
 from worker.settings import Settings
 
@@ -65,7 +74,7 @@ def worker(settings: Settings, *argv: str, **extra: str) -> subprocess.Completed
         (["gc"], "PostgreSQL"),
         (["outbox", "list"], "PostgreSQL"),
         (["workflows"], "PostgreSQL"),
-        (["dlq", "replay", "--all"], "PostgreSQL"),
+        (["dlq", "replay"], "PostgreSQL"),
         (["migrate", "--no-declare"], "PostgreSQL"),
     ],
 )
@@ -93,7 +102,8 @@ def test_a_service_not_reached_ends_a_command_in_one_sentence(
     assert f"cannot reach {service} at " in sentence or f"cannot read {service} at " in sentence
     assert f":{port}" in sentence
     assert variable in sentence
-    assert ":pw@" not in done.stderr and "guest:guest@" not in done.stderr
+    assert ":pw@" not in done.stderr
+    assert "guest:guest@" not in done.stderr
     assert not traceback_lines(done.stdout + done.stderr)
     assert not [r for r in records(done.stderr) if r[0] in {"ERROR", "CRITICAL"}], done.stderr
 
@@ -195,20 +205,67 @@ def _base_environ() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
 
 
-pytestmark_reconnect = pytest.mark.skipif(
-    shutil.which("rabbitmqctl") is None or not Path("/proc/net/tcp").exists(),
-    reason="needs rabbitmqctl and Linux's /proc to close the worker's broker connections",
-)
+CAN_CLOSE_CONNECTIONS = shutil.which("rabbitmqctl") is not None and Path("/proc/net/tcp").exists()
+"""Whether the broker can be told to close one process's connections."""
 
 
-@pytestmark_reconnect
+async def _read(log: Path) -> str:
+    return await asyncio.to_thread(log.read_text, errors="replace")
+
+
+@pytest.mark.parametrize("cut", ["closed by the broker", "a 5 s outage"])
 async def test_a_handled_reconnect_logs_no_error(
-    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    tmp_path: Path,
+    cut: str,
 ) -> None:
-    # Given a worker consuming a steady stream of payments
+    if cut == "closed by the broker" and not CAN_CLOSE_CONNECTIONS:
+        pytest.skip("needs rabbitmqctl and Linux's /proc to close the worker's broker connections")
+    # Given a worker consuming a steady stream of payments (through a proxy that can cut the
+    # broker off from it, for the outage)
     await declare(amqp, settings)
     log = tmp_path / "worker.log"
-    process = start_worker(settings, log, WORKER_HANDLERS="examples.payments")
+    broker = urlsplit(settings.amqp_url)
+    async with tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy:
+        url = settings.amqp_url.replace(
+            broker.netloc, f"{broker.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}"
+        )
+        env = {"WORKER_AMQP_URL": url} if cut == "a 5 s outage" else {}
+        process = start_worker(settings, log, WORKER_HANDLERS="examples.payments", **env)
+        try:
+            sent = await _cut_under_load(settings, engine, amqp, log, process, proxy, cut)
+            process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(process.wait, 60)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    output = log.read_text(errors="replace")
+    # Then the worker says what happened at WARNING, and nothing reaches ERROR or shows a
+    # traceback, from the worker or its libraries
+    assert process.returncode == 0, output
+    found = records(output)
+    warnings = [line for level, logger, line in found if level == "WARNING"]
+    assert any("lost" in line and "reconnecting" in line for line in warnings), output
+    assert not [line for level, _, line in found if level in {"ERROR", "CRITICAL"}], output
+    assert not traceback_lines(output), output
+    assert "processed" in output
+    print(f"{cut}: published {sent}; {len(found)} records", file=sys.stderr)
+
+
+async def _cut_under_load(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    log: Path,
+    process: subprocess.Popen[bytes],
+    proxy: TcpProxy,
+    cut: str,
+) -> int:
+    """Publish payments steadily while the worker's broker connections are cut twice (closed by
+    the broker, or the proxy down for 5 s); returns how many were sent, once all are handled."""
     stop_publishing = asyncio.Event()
     sent = 0
 
@@ -225,44 +282,31 @@ async def test_a_handled_reconnect_logs_no_error(
             sent += 1
             await asyncio.sleep(0.005)
 
-    try:
+    async def started() -> bool:
+        return "consuming" in await _read(log)
 
-        async def started() -> bool:
-            return "consuming" in log.read_text(errors="replace")
-
-        await wait_until(started, timeout=60)
-        publisher = asyncio.create_task(publish_steadily())
-        # When the broker closes the worker's connections, twice, under load
-        for cut in range(2):
-            await asyncio.sleep(1.0)
-            assert await close_broker_connections([process.pid], settings.amqp_url, f"cut {cut}")
-
-            async def reconnected(times: int = cut + 1) -> bool:
-                return log.read_text(errors="replace").count("reconnected to") >= times
-
-            await wait_until(reconnected, timeout=60)
+    await wait_until(started, timeout=60)
+    publisher = asyncio.create_task(publish_steadily())
+    for times in (1, 2):
         await asyncio.sleep(1.0)
-        stop_publishing.set()
-        await publisher
+        if cut == "a 5 s outage":
+            await proxy.down()
+            await asyncio.sleep(5)
+            await proxy.up()
+        else:
+            assert await close_broker_connections([process.pid], settings.amqp_url, "cut")
 
-        async def all_handled() -> bool:
-            count = await scalar(engine, "SELECT count(*) FROM inbox WHERE key LIKE 'p-%'")
-            return bool(count >= sent)
+        async def reconnected(times: int = times) -> bool:
+            return (await _read(log)).count("reconnected to") >= times
 
-        await wait_until(all_handled, timeout=90)
-        process.send_signal(signal.SIGTERM)
-        await asyncio.to_thread(process.wait, 60)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    output = log.read_text(errors="replace")
-    # Then the worker says what happened at WARNING, and nothing reaches ERROR or shows a
-    # traceback, from the worker or its libraries
-    assert process.returncode == 0, output
-    found = records(output)
-    warnings = [line for level, logger, line in found if level == "WARNING"]
-    assert any("lost" in line and "reconnecting" in line for line in warnings), output
-    assert not [line for level, _, line in found if level in {"ERROR", "CRITICAL"}], output
-    assert not traceback_lines(output), output
-    print(f"published {sent}; {len(found)} records", file=sys.stderr)
+        await wait_until(reconnected, timeout=60)
+    await asyncio.sleep(1.0)
+    stop_publishing.set()
+    await publisher
+
+    async def all_handled() -> bool:
+        count = await scalar(engine, "SELECT count(*) FROM inbox WHERE key LIKE 'p-%'")
+        return bool(count >= sent)
+
+    await wait_until(all_handled, timeout=90)
+    return sent
