@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mappi
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
 
 if TYPE_CHECKING:
     from worker.ops.dlq import Outcome, Parked, Selection
@@ -1163,6 +1164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigurationError as exc:
         log.debug("worker %s failed", args.command, exc_info=exc)
         _show(f"worker: error: {exc}", file=sys.stderr)
+        return Exit.USAGE
+    except ChannelNotFoundEntity as exc:  # (a passive declare of a queue nobody declared)
+        log.debug("worker %s failed", args.command, exc_info=exc)
+        _show(
+            f"worker: error: RabbitMQ says {exc.args[0] if exc.args else exc}: declare the "
+            "topology first (`worker declare`, or `worker migrate`), or check WORKER_QUEUE "
+            "and the path of WORKER_AMQP_URL",
+            file=sys.stderr,
+        )
         return Exit.USAGE
     except Exception as exc:
         if (service := unreachable_service(exc)) is not None:
