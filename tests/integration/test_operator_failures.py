@@ -13,6 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -326,3 +329,133 @@ async def _cut_under_load(
 
     await wait_until(all_handled, timeout=90)
     return sent
+
+
+def _healthz(port: int) -> dict[str, object]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        body = error.read()
+    except OSError:
+        return {}
+    found = json.loads(body)
+    assert isinstance(found, dict)
+    return found
+
+
+async def test_status_shows_a_throttled_worker_and_since_when(
+    settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    # Given a worker that takes one message at a time after 2 dead letters in a row
+    await declare(amqp, settings)
+    log = tmp_path / "worker.log"
+    port = free_port()
+    process = start_worker(
+        settings,
+        log,
+        WORKER_HANDLERS="examples.payments",
+        WORKER_HTTP_PORT=str(port),
+        WORKER_FAILURE_THROTTLE_AFTER="2",
+    )
+    try:
+
+        async def consuming() -> bool:
+            return "consuming" in await _read(log)
+
+        await wait_until(consuming, timeout=60)
+        before = datetime.now(UTC).replace(microsecond=0)
+        # When 3 messages in a row are parked (bodies the handler's type refuses)
+        channel = await amqp.channel()
+        exchange = await channel.get_exchange(settings.exchange)
+        for n in range(3):
+            await exchange.publish(
+                Message(b'{"not": "a payment"}', headers={"idempotency-key": f"bad-{n}"}),
+                routing_key="payment.requested",
+            )
+
+        async def throttled() -> bool:
+            return bool((await asyncio.to_thread(_healthz, port)).get("throttled"))
+
+        await wait_until(throttled, timeout=60)
+        health = await asyncio.to_thread(_healthz, port)
+        done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 60)
+    # Then /healthz and `worker status` say it is throttled, and since when
+    since = datetime.fromisoformat(str(health["throttled_since"]))
+    assert before <= since <= datetime.now(UTC), health
+    assert done.returncode == Exit.OK, done.stdout + done.stderr
+    shown = dict(
+        (label.strip(), value.strip())
+        for label, _, value in (line.partition("  ") for line in done.stdout.splitlines())
+        if label.strip()
+    )
+    assert shown["worker on this host"] == f"failing at http://127.0.0.1:{port}/healthz" or (
+        shown["worker on this host"] == f"ok at http://127.0.0.1:{port}/healthz"
+    ), done.stdout
+    assert shown["throttled"] == (
+        f"since {health['throttled_since']}: one message at a time after dead letters in a row"
+    ), done.stdout
+    assert "paused" not in shown
+
+
+async def test_status_shows_a_paused_worker_its_reason_and_since_when(
+    settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    # Given a worker that reaches PostgreSQL through a proxy, consuming
+    await declare(amqp, settings)
+    log = tmp_path / "worker.log"
+    port = free_port()
+    database = urlsplit(settings.database_url)
+    async with tcp_proxy(database.hostname or "127.0.0.1", database.port or 5432) as proxy:
+        userinfo = database.netloc.rpartition("@")[0]
+        url = settings.database_url.replace(
+            database.netloc,
+            f"{userinfo}@127.0.0.1:{proxy.port}" if userinfo else f"127.0.0.1:{proxy.port}",
+        )
+        process = start_worker(
+            settings,
+            log,
+            WORKER_HANDLERS="examples.payments",
+            WORKER_HTTP_PORT=str(port),
+            WORKER_DATABASE_URL=url,
+        )
+        try:
+
+            async def consuming() -> bool:
+                return "consuming" in await _read(log)
+
+            await wait_until(consuming, timeout=60)
+            # When PostgreSQL goes away from it and a message arrives
+            await proxy.down()
+            channel = await amqp.channel()
+            exchange = await channel.get_exchange(settings.exchange)
+            body = {"payment_id": "paused-1", "account": "p", "amount_cents": 1}
+            await exchange.publish(
+                Message(json.dumps(body).encode(), headers={"idempotency-key": "paused-1"}),
+                routing_key="payment.requested",
+            )
+
+            async def paused() -> bool:
+                return bool((await asyncio.to_thread(_healthz, port)).get("paused"))
+
+            await wait_until(paused, timeout=90)
+            health = await asyncio.to_thread(_healthz, port)
+            done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
+            await proxy.up()
+        finally:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(process.wait, 60)
+    # Then `worker status` says it is paused, why, and since when, as /healthz does
+    assert done.returncode == Exit.OK, done.stdout + done.stderr
+    lines = {
+        line.partition("  ")[0].strip(): line.partition("  ")[2].strip()
+        for line in done.stdout.splitlines()
+    }
+    assert lines["paused"] == (
+        f"{health['paused']} since {health['paused_since']}: {health['paused_because']}"
+    ), done.stdout
+    assert health["paused"] == "database-unreachable"
+    assert lines["worker on this host"] == f"failing at http://127.0.0.1:{port}/healthz"

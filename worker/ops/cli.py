@@ -68,7 +68,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "dlq list": EVERY_COMMAND,
     "dlq replay": (*EVERY_COMMAND, Group.RETRIES),
     "dlq purge": EVERY_COMMAND,
-    "status": (*EVERY_COMMAND, Group.RETRIES),
+    "status": (*EVERY_COMMAND, Group.RETRIES, Group.ENDPOINT),
     "outbox list": EVERY_COMMAND,
     "outbox retry": (*EVERY_COMMAND, Group.NOTIFY),
     "verify": (*EVERY_COMMAND, Group.RETRIES),
@@ -858,7 +858,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
     def lines_of(status: admin.Status) -> list[tuple[str, str]]:
-        lines = [*headline(status), *outbox_headline(status), ("", "")]
+        lines = [*headline(status), *process_lines(status), *outbox_headline(status), ("", "")]
         if status.queues is None:
             lines.append(("broker", "unavailable"))
         for queue in status.queues or ():
@@ -895,6 +895,26 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
         lines.append(("waiting", f"{work.messages or 0} message(s) ready in {work.name}"))
         if parked is not None:
             lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
+        return lines
+
+    def process_lines(status: admin.Status) -> list[tuple[str, str]]:
+        """What the worker on this host says at its /healthz: paused or throttled, why and
+        since when (the queues cannot tell: a throttled consumer still consumes)."""
+        process = status.process
+        if process is None:
+            return []
+        if process.health is None:
+            return [("worker on this host", f"{process.error} at {process.url}")]
+        health = process.health
+        lines = [("worker on this host", f"{health.get('status', '?')} at {process.url}")]
+        if paused := health.get("paused"):
+            since = health.get("paused_since", "?")
+            lines.append(("paused", f"{paused} since {since}: {health.get('paused_because', '')}"))
+        if health.get("throttled"):
+            since = health.get("throttled_since", "?")
+            lines.append(
+                ("throttled", f"since {since}: one message at a time after dead letters in a row")
+            )
         return lines
 
     def outbox_headline(status: admin.Status) -> list[tuple[str, str]]:

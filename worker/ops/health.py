@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aio_pika.abc import AbstractConnection
@@ -40,6 +41,9 @@ INBOX_INTERVAL = 60.0
 """Seconds between two inbox gauges (``inspection.inbox_gauge``: it reads the whole inbox only
 while the inbox is small)."""
 
+SINCE_WHEN = ("paused", "throttled")
+"""The consumer's conditions whose start ``/healthz`` shows as ``<condition>_since``."""
+
 STUCK_AFTER = 60.0
 """Seconds without a finished probe after which ``/livez`` reports the process stuck. A round of
 the monitor takes at most two ``database.PROBE_TIMEOUT`` (5 s each) beyond ``REFRESH_INTERVAL``
@@ -57,6 +61,9 @@ class Health:
     condition: Callable[[], Mapping[str, object]] | None = None
     probed_at: float = field(default_factory=time.monotonic)
     """``time.monotonic()`` when the last probe finished (before the first: when this was made)."""
+    since: dict[str, tuple[object, str]] = field(default_factory=dict)
+    """Each of the consumer's conditions that holds now (``paused``, ``throttled``): its value
+    and when it was first seen so (ISO 8601, UTC), within a probe's interval."""
 
     async def probe(
         self,
@@ -75,6 +82,7 @@ class Health:
         # A robust connection stays open while it reconnects: ``connected`` tells the truth.
         self.update("broker", not connection.is_closed and connection.connected.is_set())
         self.update("consuming", None if consuming is None else consuming())
+        self.observed()
         self.probed = True
         self.probed_at = time.monotonic()
 
@@ -99,10 +107,23 @@ class Health:
         checks: dict[str, bool] = {"database": self.database, "broker": self.broker}
         if self.consuming is not None:
             checks["consuming"] = self.consuming
-        condition = self.condition() if self.condition is not None else {}
+        condition = self.observed()
         healthy = self.probed and all(checks.values()) and "paused" not in condition
         status = "ok" if healthy else ("failing" if self.probed else "starting")
         return healthy, {"status": status, **checks, **condition}
+
+    def observed(self) -> dict[str, object]:
+        """The consumer's ``condition`` now, with ``<condition>_since`` for each of
+        ``SINCE_WHEN`` that holds (whatever paused it: a database outage, a deployment fault,
+        a silent network path), recorded as soon as a probe or a request first sees it."""
+        condition = dict(self.condition()) if self.condition is not None else {}
+        for name in SINCE_WHEN:
+            value = condition.get(name)
+            if value in (None, False):
+                self.since.pop(name, None)
+            elif self.since.get(name, (None,))[0] != value:
+                self.since[name] = (value, datetime.now(UTC).isoformat(timespec="seconds"))
+        return condition | {f"{name}_since": when for name, (_, when) in self.since.items()}
 
     def liveness(self, stuck_after: float = STUCK_AFTER) -> tuple[bool, dict[str, Any]]:
         """(alive, the ``/livez`` JSON): alive while a probe finished within ``stuck_after``
