@@ -2,8 +2,9 @@
 
 While a delivery is handled, every log record carries its ``message_id``, ``key``, ``handler``
 and ``correlation_id`` (a context variable, so concurrent units of work never mix them up). No
-record ever shows a password from a URL: any ``scheme://user:password@host`` in a message or a
-traceback is redacted before it is formatted.
+record ever shows a secret: every formatted record, traceback included, goes through
+``worker.redaction.redact``. The client libraries' records about a reconnect the worker handles
+are demoted to DEBUG (``LibraryNoise``).
 
 No record can forge another: in the text format, a line that starts a record is a record.
 ``printable`` escapes every character that could end a line or drive a terminal (C0 and C1

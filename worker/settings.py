@@ -78,6 +78,7 @@ _BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 def bearer_tokens(raw: str) -> tuple[str, ...]:
     """A comma-separated list of bearer tokens, each at least ``MIN_TOKEN_LENGTH`` characters of
     RFC 6750's token alphabet (letters, digits, ``-._~+/``, trailing ``=``)."""
+    _no_placeholder(raw)
     tokens = tuple(part.strip() for part in raw.split(",") if part.strip())
     for token in tokens:
         if len(token) < MIN_TOKEN_LENGTH or not _BEARER_TOKEN.fullmatch(token):
@@ -163,8 +164,28 @@ def broker_urls(raw: str) -> tuple[str, ...]:
     return tuple(part for part in _NEXT_BROKER_URL.split(raw.strip()) if part)
 
 
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
+"""A deployment example's placeholder left in a value: ``<generate: openssl rand -hex 24>``."""
+
+
+def _no_placeholder(raw: str) -> None:
+    if _PLACEHOLDER.search(raw):
+        raise ValueError(
+            "holds a placeholder (<...>) from a deployment example: replace it with a real "
+            "secret, e.g. from `openssl rand -hex 24`"
+        )
+
+
+def postgresql_url(raw: str) -> str:
+    """A PostgreSQL URL, with no placeholder of a deployment example left in it."""
+    _no_placeholder(raw)
+    return raw
+
+
 def broker_url_list(raw: str) -> str:
-    """``raw`` checked to be ``broker_urls`` of the ``amqp`` or ``amqps`` scheme, with a host."""
+    """``raw`` checked to be ``broker_urls`` of the ``amqp`` or ``amqps`` scheme, with a host,
+    and no placeholder of a deployment example left in it."""
+    _no_placeholder(raw)
     urls = broker_urls(raw)
     for url in urls:
         parts = urlsplit(url)
@@ -242,7 +263,7 @@ class Settings:
 
     database_url: str = setting(
         "postgresql://postgres@localhost:5432/postgres",
-        str,
+        postgresql_url,
         Group.DEPLOYMENT,
         "PostgreSQL URL, `postgresql://user:pass@host:port/db` (asyncpg driver); libpq's TLS "
         "options go in its query (see TLS and authentication). Several hosts, tried in turn, "
