@@ -6,6 +6,7 @@ a reconnect the worker handles never reach ERROR."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -331,6 +333,36 @@ async def _cut_under_load(
     return sent
 
 
+async def _publish_payment(
+    amqp: AbstractRobustConnection, settings: Settings, body: object, key: str
+) -> None:
+    channel = await amqp.channel()
+    exchange = await channel.get_exchange(settings.exchange)
+    await exchange.publish(
+        Message(json.dumps(body).encode(), headers={"idempotency-key": key}),
+        routing_key="payment.requested",
+    )
+
+
+async def _healthz_until(port: int, condition: str) -> dict[str, object]:
+    """The worker's /healthz once it shows ``condition`` (``paused``, ``throttled``)."""
+
+    async def shown() -> bool:
+        return bool((await asyncio.to_thread(_healthz, port)).get(condition))
+
+    await wait_until(shown, timeout=90)
+    return await asyncio.to_thread(_healthz, port)
+
+
+def _status_lines(stdout: str) -> dict[str, str]:
+    """``worker status``'s text output, by label."""
+    return {
+        line.partition("  ")[0].strip(): line.partition("  ")[2].strip()
+        for line in stdout.splitlines()
+        if line.partition("  ")[0].strip()
+    }
+
+
 def _healthz(port: int) -> dict[str, object]:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as response:
@@ -344,19 +376,15 @@ def _healthz(port: int) -> dict[str, object]:
     return found
 
 
-async def test_status_shows_a_throttled_worker_and_since_when(
-    settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
-) -> None:
-    # Given a worker that takes one message at a time after 2 dead letters in a row
+@contextlib.asynccontextmanager
+async def _consuming_worker(
+    settings: Settings, amqp: AbstractRobustConnection, log: Path, port: int, **env: str
+) -> AsyncIterator[None]:
+    """A ``worker run`` of the payments example serving /healthz on ``port``, consuming;
+    stopped with SIGTERM afterwards."""
     await declare(amqp, settings)
-    log = tmp_path / "worker.log"
-    port = free_port()
     process = start_worker(
-        settings,
-        log,
-        WORKER_HANDLERS="examples.payments",
-        WORKER_HTTP_PORT=str(port),
-        WORKER_FAILURE_THROTTLE_AFTER="2",
+        settings, log, WORKER_HANDLERS="examples.payments", WORKER_HTTP_PORT=str(port), **env
     )
     try:
 
@@ -364,34 +392,31 @@ async def test_status_shows_a_throttled_worker_and_since_when(
             return "consuming" in await _read(log)
 
         await wait_until(consuming, timeout=60)
-        before = datetime.now(UTC).replace(microsecond=0)
-        # When 3 messages in a row are parked (bodies the handler's type refuses)
-        channel = await amqp.channel()
-        exchange = await channel.get_exchange(settings.exchange)
-        for n in range(3):
-            await exchange.publish(
-                Message(b'{"not": "a payment"}', headers={"idempotency-key": f"bad-{n}"}),
-                routing_key="payment.requested",
-            )
-
-        async def throttled() -> bool:
-            return bool((await asyncio.to_thread(_healthz, port)).get("throttled"))
-
-        await wait_until(throttled, timeout=60)
-        health = await asyncio.to_thread(_healthz, port)
-        done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
+        yield
     finally:
         process.send_signal(signal.SIGTERM)
         await asyncio.to_thread(process.wait, 60)
+
+
+async def test_status_shows_a_throttled_worker_and_since_when(
+    settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
+) -> None:
+    # Given a worker that takes one message at a time after 2 dead letters in a row
+    port = free_port()
+    async with _consuming_worker(
+        settings, amqp, tmp_path / "worker.log", port, WORKER_FAILURE_THROTTLE_AFTER="2"
+    ):
+        before = datetime.now(UTC).replace(microsecond=0)
+        # When 3 messages in a row are parked (bodies the handler's type refuses)
+        for n in range(3):
+            await _publish_payment(amqp, settings, {"not": "a payment"}, f"bad-{n}")
+        health = await _healthz_until(port, "throttled")
+        done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
     # Then /healthz and `worker status` say it is throttled, and since when
     since = datetime.fromisoformat(str(health["throttled_since"]))
     assert before <= since <= datetime.now(UTC), health
     assert done.returncode == Exit.OK, done.stdout + done.stderr
-    shown = dict(
-        (label.strip(), value.strip())
-        for label, _, value in (line.partition("  ") for line in done.stdout.splitlines())
-        if label.strip()
-    )
+    shown = _status_lines(done.stdout)
     assert shown["worker on this host"] == f"failing at http://127.0.0.1:{port}/healthz" or (
         shown["worker on this host"] == f"ok at http://127.0.0.1:{port}/healthz"
     ), done.stdout
@@ -405,8 +430,6 @@ async def test_status_shows_a_paused_worker_its_reason_and_since_when(
     settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
     # Given a worker that reaches PostgreSQL through a proxy, consuming
-    await declare(amqp, settings)
-    log = tmp_path / "worker.log"
     port = free_port()
     database = urlsplit(settings.database_url)
     async with tcp_proxy(database.hostname or "127.0.0.1", database.port or 5432) as proxy:
@@ -415,45 +438,18 @@ async def test_status_shows_a_paused_worker_its_reason_and_since_when(
             database.netloc,
             f"{userinfo}@127.0.0.1:{proxy.port}" if userinfo else f"127.0.0.1:{proxy.port}",
         )
-        process = start_worker(
-            settings,
-            log,
-            WORKER_HANDLERS="examples.payments",
-            WORKER_HTTP_PORT=str(port),
-            WORKER_DATABASE_URL=url,
-        )
-        try:
-
-            async def consuming() -> bool:
-                return "consuming" in await _read(log)
-
-            await wait_until(consuming, timeout=60)
+        log = tmp_path / "worker.log"
+        async with _consuming_worker(settings, amqp, log, port, WORKER_DATABASE_URL=url):
             # When PostgreSQL goes away from it and a message arrives
             await proxy.down()
-            channel = await amqp.channel()
-            exchange = await channel.get_exchange(settings.exchange)
             body = {"payment_id": "paused-1", "account": "p", "amount_cents": 1}
-            await exchange.publish(
-                Message(json.dumps(body).encode(), headers={"idempotency-key": "paused-1"}),
-                routing_key="payment.requested",
-            )
-
-            async def paused() -> bool:
-                return bool((await asyncio.to_thread(_healthz, port)).get("paused"))
-
-            await wait_until(paused, timeout=90)
-            health = await asyncio.to_thread(_healthz, port)
+            await _publish_payment(amqp, settings, body, "paused-1")
+            health = await _healthz_until(port, "paused")
             done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
             await proxy.up()
-        finally:
-            process.send_signal(signal.SIGTERM)
-            await asyncio.to_thread(process.wait, 60)
     # Then `worker status` says it is paused, why, and since when, as /healthz does
     assert done.returncode == Exit.OK, done.stdout + done.stderr
-    lines = {
-        line.partition("  ")[0].strip(): line.partition("  ")[2].strip()
-        for line in done.stdout.splitlines()
-    }
+    lines = _status_lines(done.stdout)
     assert lines["paused"] == (
         f"{health['paused']} since {health['paused_since']}: {health['paused_because']}"
     ), done.stdout
