@@ -27,7 +27,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
-from worker.errors import AccessRefused, Service, cannot_reach, innermost
+from worker.errors import AccessRefused, ConfigurationError, Service, cannot_reach, innermost
 from worker.logs import describe_error
 from worker.ops.http import local_url
 from worker.settings import Settings, format_duration
@@ -215,7 +215,8 @@ async def _part(
     settings: Settings,
 ) -> _T | None:
     """``read``'s result, or None with why ``service`` could not be read in ``errors[part]``:
-    a refusal's own sentence, else ``cannot_reach``'s."""
+    a refusal's own sentence, else ``cannot_reach``'s. Any other ``ConfigurationError`` (a
+    setting no read can fix) is raised."""
     url = settings.database_url if service is Service.POSTGRESQL else settings.amqp_url
     try:
         async with asyncio.timeout(answer_within):
@@ -225,6 +226,8 @@ async def _part(
         errors[part] = cannot_reach(service, url, cause)
     except AccessRefused as exc:
         errors[part] = str(exc)
+    except ConfigurationError:
+        raise  # (a setting no read can fix: the command's usage error)
     except Exception as exc:
         errors[part] = cannot_reach(service, url, describe_error(innermost(exc)))
     return None
