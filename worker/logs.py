@@ -194,10 +194,10 @@ class JsonFormatter(logging.Formatter):
         return redact_text(json.dumps(entry, default=str))
 
 
-CLIENT_LIBRARIES = frozenset({"aio_pika", "aiormq", "pamqp", "asyncpg", "uvicorn", "asyncio"})
+CLIENT_LIBRARIES = frozenset({"aio_pika", "aiormq", "pamqp", "asyncpg", "asyncio"})
 """The loggers (by top-level name) whose records ``LibraryNoise`` looks at: the clients of
-PostgreSQL and RabbitMQ, the ingress's server, and asyncio (its "exception was never retrieved"
-of a connection's dead task)."""
+PostgreSQL and RabbitMQ, and asyncio (its "exception was never retrieved" of a connection's dead
+task). Not uvicorn: an exception that reaches it failed a request, whatever its cause."""
 
 RECONNECT_MESSAGES = {
     "Unexpected connection close from remote": logging.DEBUG,
