@@ -28,6 +28,7 @@ from worker.core.codec import fingerprint
 from worker.errors import ConfigurationError
 from worker.ingress import ingress_router
 from worker.ingress.problems import PROBLEM_JSON, TYPE_PREFIX
+from worker.ingress.reading import MAX_CLIENT_KEY_LENGTH
 from worker.ingress.serve import serve, serve_app
 from worker.ops.janitor import sweep
 from worker.settings import Settings
@@ -67,6 +68,11 @@ async def count(engine: AsyncEngine, table: str) -> int:
     return int(await scalar(engine, f"SELECT count(*) FROM {table}"))
 
 
+async def handled(engine: AsyncEngine, handler: str) -> int:
+    """Inbox rows of ``handler``."""
+    return int(await scalar(engine, "SELECT count(*) FROM inbox WHERE handler = :h", h=handler))
+
+
 async def nothing_stored(engine: AsyncEngine) -> bool:
     return await count(engine, "ingress_requests") == 0 and await count(engine, "outbox") == 0
 
@@ -101,16 +107,26 @@ async def test_accepted_once_and_the_same_answer_for_a_retry_in_other_spacing(
     assert again.headers["idempotent-replayed"] == "true"
     # And one request row and one event were written, keyed by the client's key
     requests = await rows(
-        engine, "SELECT handler, key, routing_key, fingerprint FROM ingress_requests"
+        engine,
+        "SELECT handler, client, key, handler_key, routing_key, fingerprint FROM ingress_requests",
     )
     assert [tuple(r) for r in requests] == [
-        ("payment.requested", "p1", "payment.requested", fingerprint(payment("p1")))
+        (
+            "payment.requested",
+            "anonymous",
+            "p1",
+            "http:anonymous:p1",
+            "payment.requested",
+            fingerprint(payment("p1")),
+        )
     ]
     events = await rows(engine, "SELECT message_id, exchange, routing_key, headers FROM outbox")
     assert len(events) == 1
     assert str(events[0].message_id) == first.json()["message_id"]
     assert (events[0].exchange, events[0].routing_key) == (settings.exchange, "payment.requested")
-    assert events[0].headers["idempotency-key"] == "p1"
+    # (the handler runs under the key in the ingress's own key space)
+    assert events[0].headers["idempotency-key"] == first.json()["handler_key"]
+    assert first.json()["handler_key"] == "http:anonymous:p1"
 
 
 async def test_a_key_reused_with_another_body_is_422_and_appends_nothing(
@@ -133,7 +149,7 @@ async def test_a_key_reused_with_another_body_is_422_and_appends_nothing(
     [
         (JSON, "missing-key"),
         (keyed(""), "missing-key"),
-        (keyed("k" * 513), "invalid-key"),
+        (keyed("k" * (MAX_CLIENT_KEY_LENGTH + 1)), "invalid-key"),
         ({**JSON, "Idempotency-Key": "\xe9t\xe9".encode("latin-1")}, "invalid-key"),
     ],
     ids=["missing", "empty", "too-long", "not-utf8"],
@@ -325,16 +341,18 @@ async def test_get_is_404_then_pending_then_completed_with_the_handlers_result(
         async with running_worker(settings, payments):
 
             async def completed() -> bool:
-                return bool(await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'p1'"))
+                return await handled(engine, "payment.requested") == 1
 
             await wait_until(completed)
         done = await client.get(accepted.headers["location"])
 
     assert is_problem(unknown, 404, "unknown-message"), unknown.text
-    assert pending.json() == {"status": "pending", "result": None, "error": None}
+    assert pending.json() == {"status": "pending", "result": None, "error": None, "reason": None}
     result = {**body, "balance_cents": 250}
-    assert done.json() == {"status": "completed", "result": result, "error": None}
-    assert await scalar(engine, "SELECT result FROM inbox WHERE key = 'p1'") == result
+    assert done.json() == {"status": "completed", "result": result, "error": None, "reason": None}
+    assert await scalar(engine, "SELECT result FROM inbox WHERE handler = 'payment.requested'") == (
+        result
+    )
 
 
 async def test_get_shows_a_failed_handlers_error(settings: Settings, engine: AsyncEngine) -> None:
@@ -352,7 +370,9 @@ async def test_get_shows_a_failed_handlers_error(settings: Settings, engine: Asy
         completed = await client.get(first.headers["location"])
     assert completed.json()["status"] == "completed"
     assert failed.json()["status"] == "failed"
-    assert "DuplicatePayment" in failed.json()["error"]
+    assert failed.json()["reason"] == "handler-error"
+    assert failed.json()["error"].startswith("DuplicatePayment: ")
+    assert "payment p1" not in failed.json()["error"]  # (the stored text stays in the log)
     assert failed.json()["result"] is None
 
 
@@ -361,7 +381,7 @@ async def test_a_post_whose_transaction_rolls_back_leaves_no_row_and_no_event(
 ) -> None:
     async with ingress(settings) as client:
         # Given a trigger that fails the event's insert, after the request row's
-        await _refuse_events_of("doomed", engine)
+        await _refuse_events_of("http:anonymous:doomed", engine)
         try:
             failed = await client.post(REQUESTED, json=payment("p1"), headers=keyed("doomed"))
             stored_nothing = await nothing_stored(engine)
@@ -470,7 +490,14 @@ async def test_openapi_documents_each_routing_keys_body_from_its_handlers_model(
     assert schema["properties"]["amount_cents"]["exclusiveMinimum"] == 0
     assert any(p["name"] == "Idempotency-Key" and p["required"] for p in post["parameters"])
     assert {"202", "400", "404", "413", "422"} <= set(post["responses"])
-    assert "get" in document["paths"]["/messages/payment.settled/{key}"]
+    get = document["paths"][f"{REQUESTED}/{{key}}"]["get"]
+    assert [(p["name"], p["in"], p["required"]) for p in get["parameters"]] == [
+        ("key", "path", True)
+    ]
+    for operation in (post, get):
+        for status, response in operation["responses"].items():
+            if status.startswith(("4", "5")):
+                assert set(response["content"]) == {PROBLEM_JSON}, (status, response)
 
 
 async def test_the_router_mounts_under_a_prefix_of_the_users_own_app(
