@@ -25,6 +25,7 @@ from examples.payments import router as payments
 from tests.helpers import rows, scalar, wait_until
 from tests.integration.support import ROOT, running_worker, worker_environ
 from worker.core.codec import fingerprint
+from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.ingress import ingress_router
 from worker.ingress.problems import PROBLEM_JSON, TYPE_PREFIX
@@ -47,12 +48,15 @@ def keyed(key: str, **headers: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def ingress(settings: Settings, **changes: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """``worker serve``'s ingress for the payments example on a free port, and a client of it."""
+async def ingress(
+    settings: Settings, router: Router = payments, **changes: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """``worker serve``'s ingress for ``router`` (the payments example) on a free port, and a
+    client of it."""
     stop = asyncio.Event()
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     served = settings.replace(ingress_host="127.0.0.1", ingress_port=0, **changes)
-    task = asyncio.create_task(serve(served, payments, stop, started=port.set_result))
+    task = asyncio.create_task(serve(served, router, stop, started=port.set_result))
     try:
         await asyncio.wait({port, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -569,10 +573,12 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     assert "the ingress stopped" in log.read_text()
 
 
-def start_serve(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m worker serve --port 0`` for the payments example, its output in ``log``."""
+def start_serve(settings: Settings, log: Path, **environ: str) -> subprocess.Popen[bytes]:
+    """``python -m worker serve --port 0`` for the payments example, its output in ``log``;
+    ``environ`` added to its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(worker_environ(settings), PYTHONPATH=str(ROOT), WORKER_HANDLERS="examples.payments")
+    env.update(environ)
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "worker", "serve", "--port", "0"],
