@@ -23,6 +23,7 @@ from urllib.parse import quote
 from fastapi import APIRouter, Security
 from fastapi.security import HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -49,6 +50,18 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 
 REPLAYED_HEADER = "Idempotent-Replayed"
 """Set to ``true`` on the answer to a retry: the request had been accepted before."""
+
+
+class _KeyConvertor(PathConvertor):
+    """A key in a path: anything after the routing key's segment, a ``/`` or a line break
+    (``%0A``) included (Starlette's ``path`` stops at a line break, and the request would miss
+    every route: no problem+json 404)."""
+
+    regex = "(?s:.*)"
+
+
+KEY_CONVERTOR = "worker_key"
+register_url_convertor(KEY_CONVERTOR, _KeyConvertor())
 
 _SERVABLE_ROUTING_KEY = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
 """A routing key that is a path segment as it is (RFC 3986's ``pchar``, no ``%``)."""
@@ -86,7 +99,7 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
             dependencies=documented,
         )
         api.add_api_route(
-            f"/messages/{routing_key}/{{key:path}}",
+            f"/messages/{routing_key}/{{key:{KEY_CONVERTOR}}}",
             _get(handler, engine, tokens),
             methods=["GET"],
             name=f"get {routing_key}",
@@ -99,7 +112,10 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
     unknown = _unknown_routing_key(tokens)
     api.add_api_route("/messages/{routing_key}", unknown, methods=["POST"], include_in_schema=False)
     api.add_api_route(
-        "/messages/{routing_key}/{key:path}", unknown, methods=["GET"], include_in_schema=False
+        f"/messages/{{routing_key}}/{{key:{KEY_CONVERTOR}}}",
+        unknown,
+        methods=["GET"],
+        include_in_schema=False,
     )
     # (a path under /messages that names no routing key: ``/messages``, ``/messages/``)
     api.add_api_route("/messages", unknown, methods=["GET", "POST"], include_in_schema=False)
