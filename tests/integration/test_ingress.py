@@ -553,14 +553,8 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     log = tmp_path / "serve.log"
     process = start_serve(settings, log)
     try:
-
-        async def listening() -> bool:
-            return "serving the ingress" in log.read_text()
-
-        await wait_until(listening, timeout=30)
-        port = re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())
-        assert port is not None, log.read_text()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port[1]}") as client:
+        port = await served_port(log)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             accepted = await client.post(REQUESTED, json=payment("p1"), headers=keyed("p1"))
         process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(process.wait, 30)
@@ -571,6 +565,21 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     assert accepted.status_code == 202
     assert code == 0, log.read_text()
     assert "the ingress stopped" in log.read_text()
+
+
+async def served_port(log: Path) -> int:
+    """The port a ``start_serve`` process listens on, once its log says it serves."""
+
+    def text() -> str:
+        return log.read_text()
+
+    async def listening() -> bool:
+        return "serving the ingress" in text()
+
+    await wait_until(listening, timeout=30)
+    port = re.search(r"http://127\.0\.0\.1:(\d+)", text())
+    assert port is not None, text()
+    return int(port[1])
 
 
 def start_serve(settings: Settings, log: Path, **environ: str) -> subprocess.Popen[bytes]:

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import wait_until
-from tests.integration.test_ingress import start_serve
+from tests.integration.test_ingress import served_port, start_serve
 from worker.settings import Settings
 
 TOKEN = "schemathesis-token-0123456789"
@@ -27,19 +25,13 @@ async def test_the_ingress_conforms_to_its_openapi_document_and_never_answers_5x
     log = tmp_path / "serve.log"
     process = start_serve(settings, log, WORKER_INGRESS_TOKENS=f"fuzz:{TOKEN}")
     try:
-
-        async def listening() -> bool:
-            return "serving the ingress" in log.read_text()
-
-        await wait_until(listening, timeout=30)
-        port = re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())
-        assert port is not None, log.read_text()
+        port = await served_port(log)
         run = await asyncio.to_thread(
             subprocess.run,
             [
                 str(SCHEMATHESIS),
                 "run",
-                f"http://127.0.0.1:{port[1]}/openapi.json",
+                f"http://127.0.0.1:{port}/openapi.json",
                 "--checks",
                 "all",
                 # (a valid body is refused when its key was used with another body, a 422 by

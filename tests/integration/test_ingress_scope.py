@@ -61,6 +61,13 @@ async def publish_over_amqp(settings: Settings, body: Any, key: str) -> None:
         await publish(await connection.channel(), settings, body, key=key, message_id=key)
 
 
+async def handled_over_amqp(settings: Settings, engine: AsyncEngine, body: Any, key: str) -> None:
+    """``body`` published over AMQP under ``key`` and handled by a worker, stopped after."""
+    async with running_worker(settings, payments):
+        await publish_over_amqp(settings, body, key)
+        await handled_all(engine, 1)
+
+
 async def handled_all(engine: AsyncEngine, count_: int) -> None:
     async def reached() -> bool:
         return await handled(engine, "payment.requested") >= count_
@@ -72,9 +79,7 @@ async def test_a_result_of_a_message_sent_over_amqp_is_not_readable_over_http(
     settings: Settings, engine: AsyncEngine
 ) -> None:
     # Given a payment that arrived over AMQP and was handled (its result: carol's balance)
-    async with running_worker(settings, payments):
-        await publish_over_amqp(settings, payment("amqp-1", "carol", 4242), "amqp-secret-1")
-        await handled_all(engine, 1)
+    await handled_over_amqp(settings, engine, payment("amqp-1", "carol", 4242), "amqp-secret-1")
 
     # When anyone asks the ingress for it by its key, with or without a token
     path = f"{REQUESTED}/amqp-secret-1"
@@ -169,9 +174,7 @@ async def test_a_key_taken_in_the_inbox_by_a_message_from_elsewhere_is_422(
     settings: Settings, engine: AsyncEngine
 ) -> None:
     # Given a message published over AMQP under a key of the ingress's own key space
-    async with running_worker(settings, payments):
-        await publish_over_amqp(settings, payment("forged", "mallory", 1), "http:anonymous:k9")
-        await handled_all(engine, 1)
+    await handled_over_amqp(settings, engine, payment("forged", "mallory", 1), "http:anonymous:k9")
 
     # When a client posts that key
     async with ingress(settings) as client:
