@@ -33,6 +33,7 @@ from worker import Context, Router, schema, testing
 from worker.core.codec import canonical_json, fingerprint
 from worker.database import create_engine
 from worker.errors import ConfigurationError
+from worker.ingress.problems import PROBLEM_JSON
 from worker.settings import Settings
 
 ALICE = "alice:alice-token-0123456789"
@@ -210,6 +211,19 @@ async def test_the_workers_own_events_are_not_served_without_an_allow_list(
 
 async def _notices(engine: AsyncEngine, expected: int) -> bool:
     return await count(engine, "settlement_notices") >= expected
+
+
+async def test_a_path_under_messages_that_names_no_message_is_a_problem_404(
+    settings: Settings,
+) -> None:
+    async with ingress(settings) as client:
+        answers = [
+            await client.get(path)
+            for path in ("/messages", "/messages/", f"{REQUESTED}/", f"{REQUESTED}/a%0Ab")
+        ]
+    for response in answers:
+        assert response.status_code == 404, response.text
+        assert response.headers["content-type"] == PROBLEM_JSON, response.text
 
 
 async def test_named_in_the_allow_list_a_published_routing_key_is_served(

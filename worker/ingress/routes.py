@@ -68,8 +68,9 @@ _SERVABLE_ROUTING_KEY = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
 
 
 def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -> APIRouter:
-    """The ingress's routes for every routing key of ``router``, on ``engine`` (which the caller
-    owns: create it with ``worker.database.create_engine`` and dispose of it at shutdown).
+    """The ingress's routes for the routing keys of ``router`` it serves (``exposed``), on
+    ``engine`` (which the caller owns: create it with ``worker.database.create_engine`` and
+    dispose of it at shutdown).
 
     Mount it with ``app.include_router(ingress_router(...))``, under a prefix if you like; the
     ``Location`` of an accepted message follows the prefix. The routes check their bearer

@@ -48,10 +48,8 @@ class MessageStatus:
     error: str | None
 
 
-UNATTRIBUTED = ""
-"""The client of a request accepted before the ingress told clients apart (migration 0005): no
-client is named so, so none reads it; a retry of it still finds it (``find_request``)."""
-
+# (client '': a request accepted before the ingress told clients apart, migration 0005. No
+# client is named so, hence none reads it; a retry of its key still finds it.)
 RECORD_REQUEST = """
 INSERT INTO ingress_requests
     (handler, client, key, handler_key, routing_key, fingerprint, message_id)
@@ -111,7 +109,7 @@ async def find_request(
     conn: Connection, handler: str, client: str, key: str
 ) -> tuple[bytes, uuid.UUID] | None:
     """The fingerprint and event message id of the committed request of (handler, client, key),
-    else of an ``UNATTRIBUTED`` one of (handler, key), if any."""
+    else of one of (handler, key) accepted before clients were told apart, if any."""
     driver = await in_transaction(conn)
     found = await driver.fetchrow(FIND_REQUEST, handler, client, key)
     return None if found is None else (bytes(found[0]), found[1])
