@@ -4,7 +4,8 @@ own body type, and the shapes of the answers.
 Invariant: the documented body of a routing key is the JSON schema of the very ``TypeAdapter``
 the consumer validates it with (``Handler.adapter``), so the documentation cannot drift from
 what is accepted. It is self-contained (nested models inlined), so it stays correct wherever the
-router is mounted, under any prefix.
+router is mounted, under any prefix. Every refusal is documented as ``application/problem+json``,
+as it is answered, and every path parameter (the GET's ``key``) is declared.
 """
 
 from __future__ import annotations
