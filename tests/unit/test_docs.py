@@ -125,6 +125,19 @@ def test_each_included_file_is_linked_beside_its_block(site: Path) -> None:
         assert (site / "getting-started" / "inventory" / included).is_file()
 
 
+def test_the_publishing_pages_code_is_the_tested_examples() -> None:
+    """``docs/publishing.md`` shows its code inline, readable anywhere; each block titled with a
+    file is a verbatim excerpt of that file, which the integration tests run."""
+    source = (DOCS / "publishing.md").read_text()
+    blocks = re.findall(r'^```python title="([^"]+)"\n(.*?)^```$', source, re.M | re.S)
+    assert {title for title, _ in blocks} == {
+        "examples/producers/publish_amqp.py",
+        "examples/producers/publish_outbox.py",
+    }
+    for title, code in blocks:
+        assert code in (ROOT / title).read_text(), f"{title} no longer holds the page's code"
+
+
 def test_nothing_is_fetched_from_the_internet(site: Path) -> None:
     """No web fonts or scripts from elsewhere: the site reads offline, as it builds."""
     for path in site.rglob("*.html"):
