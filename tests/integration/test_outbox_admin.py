@@ -54,6 +54,16 @@ async def backing_off(engine: AsyncEngine, settings: Settings, count: int) -> li
     return message_ids
 
 
+async def given_rows_in_each_state(
+    engine: AsyncEngine, amqp: AbstractRobustConnection, settings: Settings, *, failed: int
+) -> None:
+    """The topology, ``failed`` events backing off, one pending row and one parked."""
+    await declare(amqp, settings)
+    await backing_off(engine, settings, failed)
+    await add_outbox_row(engine, settings)
+    await park(engine, settings)
+
+
 async def test_outbox_list_shows_pending_backing_off_and_parked_rows(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
@@ -96,10 +106,7 @@ async def test_outbox_list_shows_pending_backing_off_and_parked_rows(
 async def test_outbox_list_filters_by_state_and_routing_key(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    await declare(amqp, settings)
-    await backing_off(engine, settings, 3)
-    await add_outbox_row(engine, settings)
-    await park(engine, settings)
+    await given_rows_in_each_state(engine, amqp, settings, failed=3)
 
     backing = await worker(settings, "outbox", "list", "--state", "backing-off", "--limit", "2")
     parked = await worker(settings, "outbox", "list", "--state", "parked", "--state", "pending")
@@ -247,15 +254,14 @@ async def test_retry_by_id_hurries_and_unparks_and_keeps_attempts_of_a_hurried_r
 async def test_retry_of_a_state_leaves_the_other_alone(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    await declare(amqp, settings)
-    await backing_off(engine, settings, 1)
-    await park(engine, settings)
+    await given_rows_in_each_state(engine, amqp, settings, failed=1)
 
     result = await worker(settings, "outbox", "retry", "--all", "--state", "parked")
 
     assert result.returncode == 0, result.stderr
     assert "0 backing-off outbox row(s) made due now, 1 parked" in result.stdout
     assert await scalar(engine, "SELECT count(*) FROM outbox WHERE available_at > now()") == 1
+    assert await scalar(engine, "SELECT count(*) FROM outbox WHERE available_at <= now()") == 2
     assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
 
 
