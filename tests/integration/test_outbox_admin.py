@@ -115,9 +115,11 @@ async def test_outbox_list_filters_by_state_and_routing_key(
 
     assert backing.returncode == 0, backing.stderr
     assert [text.split()[0] for text in backing.stdout.splitlines()[:2]] == ["backing-off"] * 2
-    assert backing.stdout.splitlines()[2:4] == [
+    assert backing.stdout.splitlines()[2:] == [
         "2 backing-off outbox row(s) shown",
         "(--limit 2 reached for backing-off: there may be more)",
+        f"`worker outbox retry --routing-key {UNBOUND}` (or --id ID, --all) publishes "
+        "backing-off and parked rows now",
     ]
     # the states come in their own order, whatever the order of the flags
     assert [text.split()[0] for text in parked.stdout.splitlines()[:2]] == ["pending", "parked"]

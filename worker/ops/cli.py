@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import shlex
 import signal
 import sys
 from collections import Counter
@@ -913,10 +914,12 @@ def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
     full = [state for state in states if shown[state] == args.limit]
     if full:
         print(f"(--limit {args.limit} reached for {', '.join(full)}: there may be more)")
-    if shown["backing-off"] or shown["parked"]:
-        print(
-            "`worker outbox retry --routing-key KEY` (or --id ID, --all) publishes backing-off "
-            "and parked rows now"
+    waiting = {entry.routing_key for entry in entries if entry.state != "pending"}
+    if waiting:
+        key = shlex.quote(waiting.pop()) if len(waiting) == 1 else "KEY"
+        _show(
+            f"`worker outbox retry --routing-key {key}` (or --id ID, --all) publishes "
+            "backing-off and parked rows now"
         )
     return 0
 
