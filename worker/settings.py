@@ -265,7 +265,11 @@ def setting(
 
 @dataclass(frozen=True)
 class Settings:
-    """The worker's configuration. Defaults match a local PostgreSQL and RabbitMQ."""
+    """The worker's configuration. Defaults match a local PostgreSQL and RabbitMQ.
+
+    ``Settings.load()`` reads the ``WORKER_*`` environment variables; ``Settings(...)`` is the
+    values given and the defaults, nothing from the environment.
+    """
 
     database_url: str = setting(
         "postgresql://postgres@localhost:5432/postgres",
@@ -553,19 +557,17 @@ class Settings:
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from ``environ`` (default: ``os.environ``), then non-None ``overrides``."""
+        """Settings from ``environ`` (default: ``os.environ``), then non-None ``overrides``.
+
+        This is the call that reads the ``WORKER_*`` variables; ``Settings(...)`` takes only
+        the values it is given, the rest at their defaults, whatever the environment says (so
+        tests and code that pass every value they mean are never changed by it).
+        """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for spec in FIELDS:
-            raw = environ.get(spec.env)
-            if raw is None or raw == "":
-                continue
-            try:
-                values[spec.name] = spec.parse(raw)
-            except ValueError as exc:
-                if spec.secret:  # (named, never shown: not even in the chained exception)
-                    raise ConfigurationError(f"{spec.env}: {exc}") from None
-                raise ConfigurationError(f"{spec.env}={raw!r}: {exc}") from exc
+            if environ.get(spec.env):
+                values[spec.name] = spec.read(environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -602,13 +604,22 @@ class Settings:
 
     @property
     def sqlalchemy_url(self) -> str:
-        """``database_url`` as SQLAlchemy needs it: the asyncpg driver named, and several hosts
-        (``postgresql://u@h1:p1,h2:p2/db``, libpq's form) moved into the query
-        (``?host=h1,h2&port=p1,p2``, which SQLAlchemy's asyncpg dialect reads)."""
-        scheme, rest = self.database_url.split("://", 1)
-        if scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
-            return f"postgresql+asyncpg://{_hosts_in_query(rest)}"
-        raise ConfigurationError(f"database_url must be a postgresql:// URL, not {scheme}://")
+        """``database_url`` as SQLAlchemy needs it (``asyncpg_url``)."""
+        return asyncpg_url(self.database_url)
+
+
+def asyncpg_url(database_url: str) -> str:
+    """A PostgreSQL URL as SQLAlchemy needs it for the worker's driver: ``postgres://``,
+    ``postgresql://`` (libpq's and ``psql``'s spelling, which SQLAlchemy alone would give to
+    psycopg) or ``postgresql+asyncpg://`` becomes ``postgresql+asyncpg://``, and several hosts
+    (``postgresql://u@h1:p1,h2:p2/db``, libpq's form) move into the query
+    (``?host=h1,h2&port=p1,p2``, which SQLAlchemy's asyncpg dialect reads). Idempotent; any
+    other scheme is a ``ConfigurationError``."""
+    scheme, separator, rest = database_url.partition("://")
+    if separator and scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
+        return f"postgresql+asyncpg://{_hosts_in_query(rest)}"
+    shown = f"{scheme}://" if separator else "a URL without a scheme"
+    raise ConfigurationError(f"database_url must be a postgresql:// URL, not {shown}")
 
 
 DEFAULT_DATABASE_PORT = "5432"
@@ -670,6 +681,20 @@ class Field:
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
 
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
+        """This setting from its ``WORKER_*`` variable in ``environ`` (default: ``os.environ``),
+        parsed as ``Settings.load`` parses it, or its default when unset or empty; the other
+        settings are not read. A value that does not parse is a ``ConfigurationError``."""
+        raw = (os.environ if environ is None else environ).get(self.env)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            if self.secret:  # (named, never shown: not even in the chained exception)
+                raise ConfigurationError(f"{self.env}: {exc}") from None
+            raise ConfigurationError(f"{self.env}={raw!r}: {exc}") from exc
+
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
@@ -701,6 +726,11 @@ class Field:
 
 FIELDS: tuple[Field, ...] = tuple(Field.of(declared) for declared in dataclasses.fields(Settings))
 """Every setting, in declaration order."""
+
+
+def field(name: str) -> Field:
+    """The setting called ``name``."""
+    return next(spec for spec in FIELDS if spec.name == name)
 
 
 def redact(url: str) -> str:
