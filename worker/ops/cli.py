@@ -117,11 +117,24 @@ def _add_flag(section: argparse._ArgumentGroup, spec: Field, aliases: Sequence[s
             spec.flag,
             *aliases,
             dest=spec.name,
-            type=spec.parse,
+            type=_unechoed(spec.parse) if spec.secret else spec.parse,
             default=None,
             metavar=spec.name.upper(),
             help=_flag_help(spec),
         )
+
+
+def _unechoed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, whose refusal argparse reports by its reason alone (a ``ValueError`` would be
+    reported with the value given: a secret's)."""
+
+    def parse_secret(raw: str) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_secret
 
 
 class _Refused(argparse.Action):
