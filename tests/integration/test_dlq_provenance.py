@@ -13,7 +13,7 @@ import asyncio
 import json
 import subprocess
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import aio_pika
@@ -27,7 +27,7 @@ from tests.integration.support import running_worker
 from tests.integration.test_dlq import Copy, park, worker
 from worker import Context, Permanent, Retryable, Router
 from worker.core.envelope import Delivery
-from worker.ops import dlq
+from worker.ops import dlq, janitor
 from worker.settings import Settings
 from worker.sql import parkings
 from worker.transport.dead_letters import PARKING_ID, Failure
@@ -225,7 +225,7 @@ async def test_a_forged_copy_is_unverified_refused_and_forced_touches_no_inbox_r
     # Then it runs once, with its own body
     assert await applied(engine) == [("k-victim", 1)]
     assert [row[1] for row in await inbox_row(engine, "k-victim")] == ["completed"]
-    assert await parkings_left(engine) == 1  # the key-reused copy's
+    assert await parkings_left(engine) == 2  # (the victim's stays until it expires)
 
 
 async def parkings_left(engine: AsyncEngine) -> int:
@@ -280,10 +280,9 @@ async def test_a_copy_back_from_the_retry_queues_is_parked_verified_and_replays_
         assert "1 message(s) sent back" in replayed.stdout, replayed.stdout
         await wait_until(lambda: _settled(running.stats, "processed", 1))
 
-    # Then it is applied once, and its record is gone with it
+    # Then it is applied once
     assert await applied(engine) == [("k-retried", 7)]
     assert await broker_depth(settings.dead_letter_queue) == 0
-    assert await parkings_left(engine) == 0
 
 
 async def test_a_retry_copy_the_broker_dead_lettered_is_routed_by_its_claimed_routing_key(
@@ -489,7 +488,7 @@ async def test_a_closed_pipe_ends_the_list_quietly(
     assert await broker_depth(settings.dead_letter_queue) == 600
 
 
-async def test_is_parked_tells_a_key_in_the_dlq_until_it_is_replayed(
+async def test_is_parked_tells_a_key_in_the_dlq_until_it_is_purged(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
     await park(amqp, engine, settings, Copy("k-invalid", reason="invalid"))
@@ -500,5 +499,28 @@ async def test_is_parked_tells_a_key_in_the_dlq_until_it_is_replayed(
 
     assert await parked("k-invalid")
     assert not await parked("k-other")
-    await worker(settings, "replay", "--key", "k-invalid")
+    await worker(settings, "purge", "--key", "k-invalid")
     assert not await parked("k-invalid")
+
+
+async def test_the_janitor_expires_records_after_twice_the_inbox_retention(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given records of copies parked 8 days ago (past the inbox's 7) and 15 days ago
+    await park(
+        amqp,
+        engine,
+        settings,
+        Copy("k-8", age=timedelta(days=8)),
+        Copy("k-15", age=timedelta(days=15)),
+    )
+
+    # When the janitor sweeps
+    swept = await janitor.sweep(engine, settings)
+
+    # Then only the older record is gone: that copy is now unverified, the other still the
+    # worker's (refused for its age, replayed when forced)
+    assert swept is not None
+    assert swept.parkings == 1
+    listed = await dlq.list_parked(amqp, engine, settings)
+    assert [(p.key, p.reason) for p in listed] == [("k-8", "handler-error"), ("k-15", "unverified")]

@@ -14,13 +14,13 @@ unverified copy only when asked for them (``--reason unverified``) or for everyt
 body but the current one, so memory stays bounded whatever the queue holds; a message they leave
 returns to its place when their channel closes, so the queue's order never changes. A replayed
 message's failed state is cleared first (only when its record says the worker recorded it), then
-it is sent to the work queue and acked in the DLQ after the confirm, then its record is deleted;
-a copy parked longer ago than ``inbox_retention`` is not replayed without ``force``, because its
-key may have left the inbox.
+it is sent to the work queue and acked in the DLQ after the confirm (a purged one's record is
+deleted; a replayed one's stays until it expires); a copy parked longer ago than
+``inbox_retention`` is not replayed without ``force``, because its key may have left the inbox.
 
 The copies, their ``x-worker-*`` headers and their records are made by
 ``worker.transport.dead_letters`` and ``worker.transport.failures`` on the consumer's hot path;
-this module only reads them (and deletes the records of copies it replays or purges).
+this module only reads them (and deletes the records of copies it purges).
 """
 
 from __future__ import annotations
@@ -443,9 +443,8 @@ def replaying(
     For each copy the worker parked: if its record says its key was recorded as failed, that
     failed state (and no other) is cleared (committed); the copy is published to the work queue
     through the default exchange with its recorded routing key in a header and without the
-    failure headers; the parked message is acked after the broker's confirm, and its record
-    deleted. A crash in between leaves the message parked or sends it twice; the inbox makes the
-    second a duplicate.
+    failure headers; the parked message is acked after the broker's confirm. A crash in between
+    leaves the message parked or sends it twice; the inbox makes the second a duplicate.
 
     Refused and left parked unless ``force``: a copy parked longer than ``inbox_retention`` ago
     (its key's inbox row may have expired, and then nothing would stop the replay from applying
@@ -518,7 +517,8 @@ async def _replay_one(
     parked: Parked,
 ) -> None:
     """Clear the failed key ``parked``'s record names (if it names one), publish its copy to the
-    work queue, ack it after the confirm, forget its record."""
+    work queue, ack it after the confirm. The record stays (it expires): a second copy of the
+    same parking, however it came about, is still the worker's, and its replay a duplicate."""
     if parked.verified and parked.failed_key and parked.handler and parked.key is not None:
         async with engine.begin() as conn:
             await inbox.clear_failure(conn, parked.handler, parked.key)
@@ -528,12 +528,11 @@ async def _replay_one(
         copy_of(message, headers), routing_key=settings.queue, mandatory=True
     )
     await message.ack()
-    await _forget(engine, parked)
 
 
 async def _forget(engine: AsyncEngine, parked: Parked) -> None:
-    """Delete the record of ``parked``'s copy, which has left the DLQ (a crash before leaves a
-    record without a copy: harmless, it expires)."""
+    """Delete the record of ``parked``'s copy, which was purged (a crash before leaves a record
+    without a copy: harmless, it expires)."""
     if parked.verified and parked.parking_id is not None:
         async with engine.begin() as conn:
             await parkings.forget_parking(conn, parked.parking_id)

@@ -1,6 +1,6 @@
 """The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``, and
-in the same sweep the HTTP ingress's requests accepted longer ago than that and the records of
-copies parked in the dead-letter queue longer ago than that (a replay needs ``--force`` then).
+in the same sweep the HTTP ingress's requests accepted longer ago than that, and the records of
+copies parked in the dead-letter queue twice as long ago (their copies are then unverified).
 
 One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
 finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own

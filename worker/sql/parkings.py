@@ -3,7 +3,7 @@ is published, read by ``worker dlq`` to tell the worker's own copies from any ot
 
 Invariant: every copy the worker publishes to the DLQ has its row, committed before the publish,
 so a copy without one was not parked by this worker (a row without a copy is harmless: the
-janitor expires it with the inbox's retention). The row, never the copy's headers, says which
+janitor expires it after twice the inbox's retention). The row, never the copy's headers, says which
 handler, key, reason and routing key a copy was parked with, and whether its key was recorded as
 failed in the inbox; only then may a replay clear that inbox row.
 """
@@ -72,23 +72,25 @@ async def find_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> ParkingR
 
 
 async def forget_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> None:
-    """Delete the record of ``parking_id`` (its copy was replayed or purged)."""
+    """Delete the record of ``parking_id`` (its copy was purged)."""
     await conn.execute(delete(dead_letters).where(dead_letters.c.parking_id == parking_id))
 
 
 async def is_parked(conn: AsyncConnection, handler: str, key: str) -> bool:
-    """True when the worker parked a copy of (handler, key) in the DLQ that has not been replayed
-    or purged since (nor expired): what a "key unknown" answer may point an operator to."""
+    """True when the worker parked a copy of (handler, key) in the DLQ whose record is still
+    kept (not purged, not expired; a replayed copy's record is kept too, but then its key has an
+    inbox row, or a new copy): what a "key unknown" answer may point an operator to."""
     found = exists().where(dead_letters.c.handler == handler, dead_letters.c.key == key)
     return bool(await conn.scalar(select(found)))
 
 
 async def delete_expired_parkings(conn: AsyncConnection, *, retention: float, limit: int) -> int:
-    """Delete up to ``limit`` parkings recorded longer than ``retention`` seconds ago, oldest
-    first; returns how many."""
+    """Delete up to ``limit`` parkings recorded longer than twice ``retention`` (the inbox's)
+    seconds ago, oldest first; returns how many. A record outlives its key's failed inbox row,
+    so a forced replay of an old copy still finds it (and clears what is left of that row)."""
     stale = (
         select(dead_letters.c.parking_id)
-        .where(dead_letters.c.parked_at < func.now() - interval(retention))
+        .where(dead_letters.c.parked_at < func.now() - interval(2 * retention))
         .order_by(dead_letters.c.parked_at)
         .limit(limit)
         .with_for_update(skip_locked=True)
