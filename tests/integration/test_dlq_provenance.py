@@ -524,3 +524,58 @@ async def test_the_janitor_expires_records_after_twice_the_inbox_retention(
     assert swept.parkings == 1
     listed = await dlq.list_parked(amqp, engine, settings)
     assert [(p.key, p.reason) for p in listed] == [("k-8", "handler-error"), ("k-15", "unverified")]
+
+
+REFUSE_PARKINGS = (
+    """CREATE OR REPLACE FUNCTION dlq_refuse() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN RAISE EXCEPTION 'no parking records' USING ERRCODE = 'insufficient_privilege'; END $$""",
+    "CREATE TRIGGER dlq_refuse BEFORE INSERT ON dead_letters "
+    "FOR EACH ROW EXECUTE FUNCTION dlq_refuse()",
+)
+
+ALLOW_PARKINGS = "DROP TRIGGER IF EXISTS dlq_refuse ON dead_letters"
+
+
+async def test_no_copy_is_parked_without_its_record_first(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, ledger_table: None
+) -> None:
+    # Given a worker whose parking records cannot be written (a privilege refused: a
+    # deployment fault, not the message's)
+    class Broken(Switch):
+        failing = "permanent"
+
+    async with engine.begin() as conn:
+        for statement in REFUSE_PARKINGS:
+            await conn.execute(text(statement))
+    try:
+        async with running_worker(settings, ledger(Broken)) as running:
+            async with amqp.channel() as channel:
+                exchange = await channel.get_exchange(settings.exchange)
+                await exchange.publish(
+                    aio_pika.Message(
+                        b'{"n": 5}',
+                        headers={"idempotency-key": "k-unrecorded"},
+                        content_type="application/json",
+                    ),
+                    routing_key=ROUTING_KEY,
+                )
+
+            # When its handler fails for good
+            await wait_until(lambda: _settled(running.stats, "requeued", 1))
+
+            # Then nothing is parked and the key is not failed: the delivery went back
+            assert await broker_depth(settings.dead_letter_queue) == 0
+            assert running.stats["dead_lettered"] == 0
+            assert await inbox_row(engine, "k-unrecorded") == []
+
+            # When the privilege is back, the worker parks it, its record first
+            async with engine.begin() as conn:
+                await conn.execute(text(ALLOW_PARKINGS))
+            await wait_until(lambda: _settled(running.stats, "dead_lettered", 1), timeout=60)
+    finally:
+        async with engine.begin() as conn:
+            await conn.execute(text(ALLOW_PARKINGS))
+
+    [parked] = await dlq.list_parked(amqp, engine, settings)
+    assert parked.verified
+    assert (parked.key, parked.reason) == ("k-unrecorded", "handler-error")
