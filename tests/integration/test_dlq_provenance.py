@@ -111,6 +111,18 @@ async def forge(
         )
 
 
+async def send(
+    amqp: AbstractRobustConnection, settings: Settings, body: bytes, headers: dict[str, Any]
+) -> None:
+    """Publish a JSON ``body`` to the events exchange for the ledger handler."""
+    async with amqp.channel() as channel:
+        exchange = await channel.get_exchange(settings.exchange)
+        await exchange.publish(
+            aio_pika.Message(body, headers=headers, content_type="application/json"),
+            routing_key=ROUTING_KEY,
+        )
+
+
 def forged_headers(key: str, parking_id: str) -> dict[str, Any]:
     return {
         "idempotency-key": key,
@@ -132,16 +144,7 @@ async def test_a_forged_copy_is_unverified_refused_and_forced_touches_no_inbox_r
 
     router = ledger(Broken)
     async with running_worker(settings, router):
-        async with amqp.channel() as channel:
-            exchange = await channel.get_exchange(settings.exchange)
-            await exchange.publish(
-                aio_pika.Message(
-                    b'{"n": 1}',
-                    headers={"idempotency-key": "k-victim"},
-                    content_type="application/json",
-                ),
-                routing_key=ROUTING_KEY,
-            )
+        await send(amqp, settings, b'{"n": 1}', {"idempotency-key": "k-victim"})
         await dlq_depth(settings, 1)
     [genuine] = await dlq.list_parked(amqp, engine, settings)
     assert genuine.verified
@@ -246,16 +249,12 @@ async def test_a_copy_back_from_the_retry_queues_is_parked_verified_and_replays_
         failing = "transient"
 
     async with running_worker(settings, ledger(Busy)) as running:
-        async with amqp.channel() as channel:
-            exchange = await channel.get_exchange(settings.exchange)
-            await exchange.publish(
-                aio_pika.Message(
-                    b'{"n": 7}',
-                    content_type="application/json",
-                    headers={"idempotency-key": "k-retried", PARKING_ID: "not-a-parking-id"},
-                ),
-                routing_key=ROUTING_KEY,
-            )
+        await send(
+            amqp,
+            settings,
+            b'{"n": 7}',
+            {"idempotency-key": "k-retried", PARKING_ID: "not-a-parking-id"},
+        )
         await dlq_depth(settings, 1)
         assert running.stats["retry_scheduled"] == 2
 
@@ -549,16 +548,7 @@ async def test_no_copy_is_parked_without_its_record_first(
             await conn.execute(text(statement))
     try:
         async with running_worker(settings, ledger(Broken)) as running:
-            async with amqp.channel() as channel:
-                exchange = await channel.get_exchange(settings.exchange)
-                await exchange.publish(
-                    aio_pika.Message(
-                        b'{"n": 5}',
-                        headers={"idempotency-key": "k-unrecorded"},
-                        content_type="application/json",
-                    ),
-                    routing_key=ROUTING_KEY,
-                )
+            await send(amqp, settings, b'{"n": 5}', {"idempotency-key": "k-unrecorded"})
 
             # When its handler fails for good
             await wait_until(lambda: _settled(running.stats, "requeued", 1))
