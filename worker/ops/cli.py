@@ -13,17 +13,28 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import shlex
 import signal
 import sys
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
 
 if TYPE_CHECKING:
-    from worker.ops.dlq import Outcome, Parked, Selection
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from worker.ops.dlq import Outcome, Parked, Selection, Shown
 
 from worker import logs
 from worker.core.router import Router
@@ -59,6 +70,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "gc": (*EVERY_COMMAND, Group.RETRIES, Group.SWEEP),
     "workflows": EVERY_COMMAND,
     "dlq list": EVERY_COMMAND,
+    "dlq show": EVERY_COMMAND,
     "dlq replay": (*EVERY_COMMAND, Group.RETRIES),
     "dlq purge": EVERY_COMMAND,
     "status": (*EVERY_COMMAND, Group.RETRIES),
@@ -331,6 +343,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shown.add_argument("--all", action="store_true", help="show every parked message")
     _dlq_filters(dlq_list)
+    dlq_list.add_argument(
+        "--json", action="store_true", help="one JSON object per message, no summary line"
+    )
+    dlq_show = command(
+        dlq_commands,
+        "dlq show",
+        _dlq_show,
+        "show one parked message in full: provenance, properties, headers, body",
+        "Show the parked message with this id (`dlq list` shows each message's id: the "
+        "worker's parking id, or sha256:... for a copy without the worker's record), its "
+        "headers and its body, escaped for the terminal; the queue is left as it was.",
+    )
+    dlq_show.add_argument("id", help="the message's id, as `worker dlq list` shows it")
+    dlq_show.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the whole body (default: its first {DLQ_SHOW_BODY_BYTES} bytes)",
+    )
     dlq_replay = command(
         dlq_commands,
         "dlq replay",
@@ -338,14 +368,19 @@ def build_parser() -> argparse.ArgumentParser:
         "clear the failed state and send parked messages back to the work queue",
         "For each parked message that the filters select (oldest first): forget that its key "
         "failed, send it back to the work queue, remove it from the DLQ. Each replayed message "
-        "runs once. A message parked longer ago than inbox_retention is refused and stays "
-        "parked (its key may have expired from the inbox, so it could run twice) unless "
-        "--force. Prints a summary by reason and handler (--verbose: a line per message too).",
+        "runs once. Refused and left parked unless --force: a message parked longer ago than "
+        "inbox_retention (its key may have expired from the inbox, so it could run twice), and "
+        "an unverified one (no record that the worker parked it: its headers could be anyone's; "
+        "forced, it goes back as a fresh delivery that clears no inbox row). Prints a summary "
+        "by reason and handler (--verbose: a line per message too).",
     )
     dlq_replay.add_argument("--limit", type=positive_int, help="replay at most this many")
     _dlq_filters(dlq_replay)
     dlq_replay.add_argument(
-        "--force", action="store_true", help="replay messages parked before inbox_retention too"
+        "--force",
+        action="store_true",
+        help="replay messages parked before inbox_retention too, and unverified ones as fresh "
+        "deliveries",
     )
     dlq_replay.add_argument(
         "--dry-run", action="store_true", help="show what would be replayed; change nothing"
@@ -357,9 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
         _dlq_purge,
         "delete the parked messages the filters select",
         "Delete each parked message that the filters select (all of them with --all); the "
-        "others keep their place. Asks nothing: give at least one filter or --all. Messages "
-        "parked after the purge began are left. Prints a summary by reason and handler "
-        "(--verbose: a line per message too).",
+        "others keep their place. Asks nothing: give at least one filter or --all. An "
+        "unverified message (no record that the worker parked it) is deleted only with "
+        "--reason unverified or --all. Messages parked after the purge began are left. Prints "
+        "a summary by reason and handler (--verbose: a line per message too).",
     )
     dlq_purge.add_argument("--limit", type=positive_int, help="delete at most this many")
     _dlq_filters(dlq_purge)
@@ -696,60 +732,187 @@ def _workflows(settings: Settings, args: argparse.Namespace) -> int:
 DLQ_LIST_LIMIT = 100
 """Messages ``worker dlq list`` shows unless told otherwise."""
 
+DLQ_SHOW_BODY_BYTES = 4096
+"""Bytes of a body ``worker dlq show`` prints unless ``--full``."""
+
 
 def _dlq_filters(parser: argparse.ArgumentParser) -> None:
     """The flags that select parked messages, shared by every ``dlq`` action."""
     parser.add_argument("--key", help="only the messages with this idempotency key")
-    parser.add_argument("--reason", help="only the messages parked for this reason")
+    parser.add_argument(
+        "--reason",
+        help="only the messages parked for this reason (`unverified`: those without the "
+        "worker's record of parking them)",
+    )
     parser.add_argument("--handler", help="only the messages of this handler (its routing key)")
 
 
 def _dlq_selection(args: argparse.Namespace) -> Selection:
-    from worker.ops.dlq import Selection
+    """The selection the filter flags make; an unknown reason is a usage error that lists the
+    known ones."""
+    import difflib
 
+    from worker.ops.dlq import REASONS, Selection
+
+    if args.reason is not None and args.reason not in REASONS:
+        close = difflib.get_close_matches(args.reason, REASONS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigurationError(
+            f"unknown reason {args.reason!r}{hint}; the reasons are: {', '.join(REASONS)}"
+        )
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
+
+
+@contextlib.contextmanager
+def _until_the_reader_leaves() -> Iterator[None]:
+    """Output to a pipe whose reader left (``worker dlq list | head -1``) ends quietly: stdout
+    is pointed at /dev/null so that nothing more (not even the exit's flush) raises."""
+    try:
+        yield
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+async def _with_dlq(
+    settings: Settings, action: Callable[[AbstractRobustConnection, AsyncEngine], Awaitable[_T]]
+) -> _T:
+    """``action`` with a broker connection and a one-connection database engine (the DLQ's
+    copies and the worker's records of them)."""
+    from worker.database import one_connection
+
+    async def with_engine(connection: AbstractRobustConnection) -> _T:
+        async with one_connection(settings, "worker-dlq") as engine:
+            return await action(connection, engine)
+
+    return await _with_broker(settings, with_engine)
 
 
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import dlq
 
     limit = None if args.all else args.limit
+    selection = _dlq_selection(args)
 
-    async def show(connection: AbstractRobustConnection) -> int:
-        found = dlq.browse(connection, settings, selection=_dlq_selection(args), limit=limit)
+    async def show(connection: AbstractRobustConnection, engine: AsyncEngine) -> int:
+        found = dlq.browse(connection, engine, settings, selection=selection, limit=limit)
         shown = 0
         async with contextlib.aclosing(found) as outcomes:
             async for outcome in outcomes:
-                print(_describe(outcome.parked), flush=True)
+                if args.json:
+                    print(_parked_json(outcome.parked), flush=True)
+                else:
+                    print(_describe(outcome.parked), flush=True)
                 shown += 1
         return shown
 
-    shown = asyncio.run(_with_broker(settings, show))
-    more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
-    print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
+    with _until_the_reader_leaves():
+        shown = asyncio.run(_with_dlq(settings, show))
+        if not args.json:
+            more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
+            print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
     return 0
 
 
-def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.database import one_connection
+def _parked_json(parked: Parked) -> str:
+    """One JSON object for ``parked`` (ASCII only: nothing in it can drive a terminal)."""
+    import json
+
+    return json.dumps(
+        {
+            "id": parked.id,
+            "verified": parked.verified,
+            "unverified_because": parked.unverified_because,
+            "key": parked.key,
+            "handler": parked.handler,
+            "reason": parked.reason,
+            "routing_key": parked.routing_key,
+            "error": parked.error,
+            "exception_type": parked.exception_type,
+            "attempts": parked.attempts,
+            "first_failure_at": parked.first_failure_at or None,
+            "dead_lettered_at": (
+                parked.dead_lettered_at.isoformat() if parked.dead_lettered_at else None
+            ),
+            "message_id": parked.message_id,
+            "claims": dict(parked.claims),
+        }
+    )
+
+
+def _dlq_show(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import dlq
 
-    async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
-        async with one_connection(settings, "worker-dlq") as engine:
-            outcomes = dlq.replaying(
-                connection,
-                engine,
-                settings,
-                selection=_dlq_selection(args),
-                limit=args.limit,
-                force=args.force,
-                dry_run=args.dry_run,
-            )
-            return await _dlq_report(
-                outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
-            )
+    async def find(connection: AbstractRobustConnection, engine: AsyncEngine) -> list[Shown]:
+        return await dlq.find(connection, engine, settings, args.id)
 
-    done, refused = asyncio.run(_with_broker(settings, replay))
+    found = asyncio.run(_with_dlq(settings, find))
+    if not found:
+        raise ConfigurationError(
+            f"no message with id {args.id!r} in {settings.dead_letter_queue} "
+            "(`worker dlq list` shows each message's id)"
+        )
+    with _until_the_reader_leaves():
+        for shown in found:
+            _show_parked(shown, full=args.full)
+    return 0
+
+
+def _show_parked(shown: Shown, *, full: bool) -> None:
+    """Print one parked message in full, every line escaped (``_show``): a body or a header can
+    neither add lines nor drive the terminal."""
+    parked = shown.parked
+    _show(f"id: {parked.id}")
+    if parked.verified:
+        _show("provenance: parked by the worker (its record names this copy)")
+    else:
+        _show(f"provenance: unverified ({parked.unverified_because}): its headers are claims")
+    _show(_describe(parked))
+    _show("properties:")
+    for name, value in shown.properties.items():
+        if value is not None:
+            _show(f"  {name}: {_header_text(value)}")
+    _show("headers:")
+    for name, value in shown.headers.items():
+        _show(f"  {name}: {_header_text(value)}")
+    body = shown.body if full else shown.body[:DLQ_SHOW_BODY_BYTES]
+    cut = len(shown.body) - len(body)
+    _show(
+        f"body ({len(shown.body)} bytes"
+        + (f"; the first {len(body)} shown, --full shows all" if cut else "")
+        + "):"
+    )
+    for line in body.decode("utf-8", "replace").split("\n"):
+        _show(line)
+
+
+def _header_text(value: object) -> str:
+    """A header's value as text: bytes decoded, anything else as Python writes it."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else repr(value)
+
+
+def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.ops import dlq
+
+    selection = _dlq_selection(args)
+
+    async def replay(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
+        outcomes = dlq.replaying(
+            connection,
+            engine,
+            settings,
+            selection=selection,
+            limit=args.limit,
+            force=args.force,
+            dry_run=args.dry_run,
+        )
+        return await _dlq_report(
+            outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
+        )
+
+    done, refused = asyncio.run(_with_dlq(settings, replay))
     summary = f"{done} message(s) sent back to {settings.queue}"
     if args.dry_run:
         summary = f"dry run: {done} message(s) would be sent back to {settings.queue}"
@@ -766,19 +929,27 @@ def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
     if not selection.filters and not args.all:
         raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
 
-    async def purge(connection: AbstractRobustConnection) -> tuple[int, int]:
+    async def purge(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
         outcomes = dlq.purging(
-            connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
+            connection,
+            engine,
+            settings,
+            selection=selection,
+            limit=args.limit,
+            dry_run=args.dry_run,
         )
         return await _dlq_report(
             outcomes, "would purge" if args.dry_run else "purged", verbose=args.verbose
         )
 
-    done, _ = asyncio.run(_with_broker(settings, purge))
+    done, refused = asyncio.run(_with_dlq(settings, purge))
     if args.dry_run:
-        print(f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}")
+        summary = f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}"
     else:
-        print(f"{done} message(s) purged from {settings.dead_letter_queue}")
+        summary = f"{done} message(s) purged from {settings.dead_letter_queue}"
+    if refused:
+        summary += f"; {refused} unverified left parked (--reason unverified purges them)"
+    print(summary)
     return 0
 
 
@@ -835,10 +1006,19 @@ async def _with_broker(
 
 
 def _describe(message: Parked) -> str:
+    """One line for a parked message: the worker's record's facts, or an unverified copy's
+    claims marked as such."""
+    if not message.verified:
+        claims = " ".join(f"{name}={value!r}" for name, value in message.claims.items())
+        return logs.printable(
+            f"key={message.key or '-'} handler=- reason={message.reason} "
+            f"routing_key={message.routing_key} id={message.id} "
+            f"why={message.unverified_because!r} claims: {claims or 'none'}"
+        )
     return logs.printable(
         f"key={message.key or '-'} handler={message.handler or '-'} reason={message.reason} "
         f"attempts={message.attempts} first_failure={message.first_failure_at or '-'} "
-        f"routing_key={message.routing_key} error={message.error!r}"
+        f"routing_key={message.routing_key} id={message.id} error={message.error!r}"
     )
 
 

@@ -342,7 +342,7 @@ async def dead_letters(deployment: Deployment) -> Check:
     dlq = next(queue for queue in queues if queue.role == "dead letters")
     if not dlq.exists:
         return Check("dead-letters", True, f"{dlq.name} does not exist: nothing parked")
-    parked = await list_parked(deployment.connection, deployment.settings)
+    parked = await list_parked(deployment.connection, deployment.engine, deployment.settings)
     if not parked:
         return Check("dead-letters", True, f"{dlq.name} is empty")
     reasons = Counter(message.reason for message in parked)

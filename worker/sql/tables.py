@@ -6,13 +6,16 @@ output of each committed step of a workflow; ``outbox`` holds events committed w
 not yet confirmed by the broker; ``outbox_parked`` holds events the relay gave up on after its
 last attempt, for an operator to inspect and retry; ``ingress_requests`` holds one row per
 (handler, client, idempotency key) that the HTTP ingress accepted, with the key its handler runs
-under, its payload's fingerprint and the message id of the event it appended.
+under, its payload's fingerprint and the message id of the event it appended; ``dead_letters``
+holds one row per copy the worker itself parked in the dead-letter queue, the provenance
+``worker dlq`` checks before it replays one.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -140,4 +143,24 @@ ingress_requests = Table(
     Column("accepted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("handler", "client", "key"),
     Index(None, "accepted_at"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("parking_id", Uuid, primary_key=True, comment="the copy's x-worker-parking-id"),
+    Column("handler", Text, nullable=True),
+    Column("key", Text, nullable=True, comment="the idempotency key the copy was parked with"),
+    Column("reason", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("body_sha256", LargeBinary, nullable=False, comment="SHA-256 of the copy's body"),
+    Column(
+        "failed_key",
+        Boolean,
+        nullable=False,
+        comment="(handler, key) was recorded as failed in the inbox with this parking",
+    ),
+    Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index(None, "parked_at"),
+    Index(None, "handler", "key"),
 )
