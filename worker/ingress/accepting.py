@@ -22,7 +22,7 @@ from worker.core.codec import JSON_CONTENT_TYPE
 from worker.core.envelope import Envelope
 from worker.errors import KeyReused, Reason
 from worker.outbox import publish
-from worker.sql import ingress
+from worker.sql import ingress, parkings
 
 ATTEMPTS = 3
 """Inserts tried for one request: a conflicting row can vanish between the insert that met it
@@ -91,7 +91,7 @@ async def accept(
     raise RuntimeError(f"the request of key {key!r} vanished {ATTEMPTS} times")
 
 
-Status = Literal["pending", "completed", "failed"]
+Status = Literal["pending", "completed", "failed", "parked"]
 
 
 @dataclass(frozen=True)
@@ -129,15 +129,36 @@ def failure_message(stored: str | None) -> str:
     return f"{shown}: the handler failed; the worker's log and dead-letter queue have the details"
 
 
+PARKED_REASON = "parked"
+"""The reason a parked message shows: its event is in the dead-letter queue, unhandled."""
+
+
+def parked_message(handler_key: str) -> str:
+    """What a client is told of a message parked before its handler ran: where an operator
+    finds it (the key is one the ingress checked and namespaced, safe to echo)."""
+    return (
+        "the message was parked in the dead-letter queue before its handler ran; "
+        f"`worker dlq list --key {handler_key}` shows why"
+    )
+
+
 async def outcome(engine: AsyncEngine, handler_name: str, client: str, key: str) -> Outcome | None:
     """The state of ``client``'s request (handler, key): ``completed`` with the handler's stored
-    result, ``failed`` with a safe message, ``pending`` while its event has not been handled (no
-    inbox row of that event yet, or a workflow in progress); None when ``client`` has no such
-    request."""
+    result, ``failed`` with a safe message, ``parked`` when its event went to the dead-letter
+    queue before its key was claimed (the worker's own record of the parking says so),
+    ``pending`` while its event has not been handled (no inbox row of that event yet, or a
+    workflow in progress); None when ``client`` has no such request."""
     async with engine.begin() as conn:
         found = await ingress.message_status(conn, handler_name, client, key)
+        parked = (
+            found is not None
+            and found.inbox_status is None
+            and await parkings.is_parked(conn, handler_name, found.handler_key)
+        )
     if found is None:
         return None
+    if parked:
+        return Outcome("parked", None, parked_message(found.handler_key), PARKED_REASON)
     if found.inbox_status == "completed":
         return Outcome("completed", found.result, None)
     if found.inbox_status == "failed":

@@ -38,12 +38,14 @@ class AcceptedBody(BaseModel):
 class OutcomeBody(BaseModel):
     """What became of an accepted message (200)."""
 
-    status: Literal["pending", "completed", "failed"]
+    status: Literal["pending", "completed", "failed", "parked"]
     result: Any = Field(None, description="the handler's return value, once completed")
     error: str | None = Field(
         None, description="once failed: the exception's type, never its text (see the log)"
     )
-    reason: str | None = Field(None, description="once failed: `handler-error`")
+    reason: str | None = Field(
+        None, description="once failed: `handler-error`; once parked: `parked`"
+    )
 
 
 class ValidationErrorItem(BaseModel):
@@ -124,7 +126,7 @@ POST_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 GET_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"model": OutcomeBody, "description": "pending, completed or failed"},
+    200: {"model": OutcomeBody, "description": "pending, completed, failed or parked"},
     401: _problem("bearer tokens are configured and none accepted was sent"),
     404: _problem("no such routing key, or no message with this key"),
     503: _problem("the database did not answer"),

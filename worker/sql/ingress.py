@@ -41,11 +41,12 @@ class RequestRow:
 @dataclass(frozen=True)
 class MessageStatus:
     """What the inbox recorded of an accepted request's own event: ``inbox_status`` (None: not
-    handled yet) with the stored result or error."""
+    handled yet) with the stored result or error, and the key its handler runs under."""
 
     inbox_status: str | None
     result: Any
     error: str | None
+    handler_key: str
 
 
 # (client '': a request accepted before the ingress told clients apart, migration 0005. No
@@ -73,7 +74,7 @@ SELECT EXISTS (SELECT FROM inbox WHERE handler = $1 AND key = $2)
 """
 
 MESSAGE_STATUS = """
-SELECT i.status, i.result::text AS result, i.error
+SELECT i.status, i.result::text AS result, i.error, r.handler_key
 FROM ingress_requests AS r
 LEFT JOIN inbox AS i
     ON i.handler = r.handler AND i.key = r.handler_key AND i.message_id = r.message_id::text
@@ -131,8 +132,8 @@ async def message_status(
     found = await driver.fetchrow(MESSAGE_STATUS, handler, client, key)
     if found is None:
         return None
-    status, result, error = found
-    return MessageStatus(status, None if result is None else json.loads(result), error)
+    status, result, error, handler_key = found
+    return MessageStatus(status, None if result is None else json.loads(result), error, handler_key)
 
 
 async def delete_expired_requests(conn: AsyncConnection, *, retention: float, limit: int) -> int:
