@@ -542,10 +542,13 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     assert "the ingress stopped" in log.read_text()
 
 
-def start_serve(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m worker serve --port 0`` for the payments example, its output in ``log``."""
+def start_serve(settings: Settings, log: Path, **extra: str) -> subprocess.Popen[bytes]:
+    """``python -m worker serve --port 0`` for the payments example, its output in ``log``,
+    ``extra`` added to its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
-    env.update(worker_environ(settings), PYTHONPATH=str(ROOT), WORKER_HANDLERS="examples.payments")
+    env.update(
+        worker_environ(settings, **extra), PYTHONPATH=str(ROOT), WORKER_HANDLERS="examples.payments"
+    )
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "worker", "serve", "--port", "0"],
