@@ -308,10 +308,11 @@ async def run(settings: Settings, options: Options) -> list[Measured]:
 
 # -- attacks: what a client without a token can do to the ingress's connections ----------------
 
+Streams = list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+"""Client connections: what each reads, and what it writes with."""
 
-async def idle_connections(
-    port: int, count: int
-) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+
+async def idle_connections(port: int, count: int) -> Streams:
     """``count`` TCP connections to ``127.0.0.1:port`` that send nothing (those the server
     refuses to accept are left out)."""
     streams = []
@@ -323,14 +324,12 @@ async def idle_connections(
     return streams
 
 
-def closed_by_server(streams: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]) -> int:
+def closed_by_server(streams: Streams) -> int:
     """How many of ``streams`` the server has closed (their end of file has arrived)."""
     return sum(reader.at_eof() or reader.exception() is not None for reader, _ in streams)
 
 
-async def slow_bodies(
-    port: int, count: int, declared: int, sent: int
-) -> list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+async def slow_bodies(port: int, count: int, declared: int, sent: int) -> Streams:
     """``count`` POSTs of a payment that declare ``declared`` bytes of body, send ``sent`` of
     them and stall."""
     head = (
@@ -448,49 +447,50 @@ async def _probes(port: int, count: int) -> list[tuple[int | None, float]]:
     return results
 
 
-async def idle_flood(pid: int, port: int, connections: int) -> AttackFigures:
-    """``connections`` idle connections, /healthz probed meanwhile, then all closed."""
+async def attacked(
+    name: str,
+    pid: int,
+    port: int,
+    attack: Coroutine[Any, Any, Streams],
+    outcome: Callable[[Streams], Coroutine[Any, Any, dict[str, int]]],
+    settle: float,
+) -> AttackFigures:
+    """The figures of ``attack`` on the ingress process ``pid``: /healthz probed under it, what
+    became of its connections (``outcome``), then all of them closed and ``settle`` seconds
+    left for the process to give back what it held."""
     rss_before, files_before = rss_kib(pid) / 1024, open_files(pid)
-    streams = await idle_connections(port, connections)
+    streams = await attack
     probes = await _probes(port, 10)
     rss_during, files_during = rss_kib(pid) / 1024, open_files(pid)
-    closed = closed_by_server(streams)
+    statuses = await outcome(streams)
     await close_all([writer for _, writer in streams])
-    await asyncio.sleep(2)
-    statuses = {"opened": len(streams), "closed by the server": closed}
+    await asyncio.sleep(settle)
+    rss_after = rss_kib(pid) / 1024
     return AttackFigures(
-        "idle flood",
-        rss_before,
-        rss_during,
-        rss_kib(pid) / 1024,
-        files_before,
-        files_during,
-        probes,
-        statuses,
+        name, rss_before, rss_during, rss_after, files_before, files_during, probes, statuses
     )
+
+
+async def idle_flood(pid: int, port: int, connections: int) -> AttackFigures:
+    """``connections`` idle connections, /healthz probed meanwhile, then all closed."""
+
+    async def closed(streams: Streams) -> dict[str, int]:
+        return {"opened": len(streams), "closed by the server": closed_by_server(streams)}
+
+    attack = idle_connections(port, connections)
+    return await attacked("idle flood", pid, port, attack, closed, settle=2)
 
 
 async def slow_body_flood(pid: int, port: int, clients: int, declared: int) -> AttackFigures:
     """``clients`` POSTs declaring ``declared`` bytes that send 99 % and stall, /healthz probed
     meanwhile; then they are closed and the ingress left idle a few seconds."""
-    rss_before, files_before = rss_kib(pid) / 1024, open_files(pid)
-    streams = await slow_bodies(port, clients, declared, declared * 99 // 100)
-    probes = await _probes(port, 10)
-    rss_during, files_during = rss_kib(pid) / 1024, open_files(pid)
-    answers = await asyncio.gather(*(status_of(reader, 0.5) for reader, _ in streams))
-    await close_all([writer for _, writer in streams])
-    await asyncio.sleep(3)
-    statuses = dict(Counter(str(status) if status else "no answer yet" for status in answers))
-    return AttackFigures(
-        "slow bodies",
-        rss_before,
-        rss_during,
-        rss_kib(pid) / 1024,
-        files_before,
-        files_during,
-        probes,
-        statuses,
-    )
+
+    async def answers(streams: Streams) -> dict[str, int]:
+        statuses = await asyncio.gather(*(status_of(reader, 0.5) for reader, _ in streams))
+        return dict(Counter(str(status) if status else "no answer yet" for status in statuses))
+
+    attack = slow_bodies(port, clients, declared, declared * 99 // 100)
+    return await attacked("slow bodies", pid, port, attack, answers, settle=3)
 
 
 async def attacks(settings: Settings, connections: int, slow_clients: int) -> list[AttackFigures]:

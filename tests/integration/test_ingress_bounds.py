@@ -5,6 +5,7 @@ clients, floods beyond the caps (open files and RSS of a ``worker serve`` proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import re
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from benchmarks.footprint import rss_kib
 from benchmarks.ingress import (
+    Streams,
     close_all,
     closed_by_server,
     idle_connections,
@@ -43,8 +45,6 @@ from worker.logs import JsonFormatter, MessageFilter
 from worker.settings import Settings
 
 MIB = 1024 * 1024
-
-Streams = list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
 
 
 class Served:
@@ -80,6 +80,17 @@ async def served(
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait, 30)
+
+
+@contextlib.asynccontextmanager
+async def held_bodies(port: int, count: int) -> AsyncIterator[None]:
+    """``count`` requests in progress, their bodies a tenth sent, until the block ends."""
+    held = await slow_bodies(port, count, declared=1000, sent=100)
+    try:
+        await asyncio.sleep(0.2)  # (read by the ingress meanwhile)
+        yield
+    finally:
+        await close_all([writer for _, writer in held])
 
 
 async def healthz_answers(port: int, times: int = 5) -> list[int | None]:
@@ -187,14 +198,10 @@ async def test_requests_over_the_cap_are_answered_503_at_once(
     async with ingress(settings, ingress_max_requests=2) as client:
         port = client.base_url.port or 0
         # Given two requests in progress, their bodies still coming
-        held = await slow_bodies(port, 2, declared=1000, sent=10)
-        try:
-            await asyncio.sleep(0.2)
+        async with held_bodies(port, 2):
             # When a third request comes
             busy = await client.post(REQUESTED, json=payment("p1"), headers=keyed("p1"))
             health = await client.get("/healthz")
-        finally:
-            await close_all([writer for _, writer in held])
         # Then it is answered 503 at once, a problem saying to retry later; health as ever
         assert is_problem(busy, 503, "busy"), busy.text
         assert busy.headers["retry-after"] == "1"
@@ -208,18 +215,16 @@ async def test_requests_over_the_cap_are_answered_503_at_once(
 async def test_connections_over_the_cap_are_answered_503_and_closed_health_as_ever(
     settings: Settings, engine: AsyncEngine
 ) -> None:
-    async with ingress(settings, ingress_max_connections=4) as client:
-        # Given as many connections as the cap, each with a request in progress
-        held = await slow_bodies(client.base_url.port or 0, 4, declared=1000, sent=10)
-        try:
-            await asyncio.sleep(0.2)
-            # When another client connects, a request is answered 503, health as ever
-            async with httpx.AsyncClient(base_url=str(client.base_url)) as another:
-                refused = await another.post(REQUESTED, json=payment("p2"), headers=keyed("p2"))
-            async with httpx.AsyncClient(base_url=str(client.base_url)) as prober:
-                health = await prober.get("/healthz")
-        finally:
-            await close_all([writer for _, writer in held])
+    # Given as many connections as the cap, each with a request in progress
+    async with (
+        ingress(settings, ingress_max_connections=4) as client,
+        held_bodies(client.base_url.port or 0, 4),
+    ):
+        # When another client connects, a request is answered 503, health as ever
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as another:
+            refused = await another.post(REQUESTED, json=payment("p2"), headers=keyed("p2"))
+        async with httpx.AsyncClient(base_url=str(client.base_url)) as prober:
+            health = await prober.get("/healthz")
     assert is_problem(refused, 503, "busy"), refused.text
     assert refused.headers["connection"] == "close"
     assert health.status_code == 200

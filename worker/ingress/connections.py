@@ -8,7 +8,7 @@ accepted when they are all open closes the oldest one that has no request in pro
 bytes waiting to be read (an idle or a slow client loses its place to a new one, so a probe of
 ``/healthz`` gets through a flood of idle connections). When every one has a request in
 progress, the new connection is served by the overflow application once its headers arrive
-(within ``OVERFLOW_GRACE``): ``/healthz`` as ever, anything else a 503; and beyond ``overflow``
+(within ``OVERFLOW_GRACE``): the probes' paths as ever, anything else a 503; and beyond ``overflow``
 such connections a new one is closed unread. Open descriptors stay below ``max_connections +
 overflow``.
 

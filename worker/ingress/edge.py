@@ -6,8 +6,9 @@ Invariant: a route runs only for a request whose body has fully arrived (or is k
 others are in progress; so at most that many bodies of at most ``max_body_bytes`` are held at
 once, a body that is not sent within ``ingress_body_timeout`` gets a 408, and a client that
 goes away mid-body is a debug line (and status 499 in the access log), never a route's error.
-``/healthz`` passes the Host check and the cap: an orchestrator's probe names the pod's address
-and must get through a flood. Nothing here logs a token or a body.
+``/healthz`` passes the Host check, and the probes' paths (``PROBE_PATHS``) the cap: an
+orchestrator's probe names the pod's address and must get through a flood. Nothing here logs a
+token or a body.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 access_log = logging.getLogger("worker.ingress.access")
 
 HEALTH_PATH = "/healthz"
+PROBE_PATHS = frozenset({HEALTH_PATH, "/openapi.json"})
+"""What an orchestrator's probes ask (readiness, liveness): answered past the caps on requests
+and connections, as they hold no body and no database connection but ``/healthz``'s one."""
 CLIENT_CLOSED = 499
 """The status an access line gives a request whose client went away before its answer (nginx's)."""
 MAX_LOGGED_KEY = 128
@@ -94,6 +98,9 @@ class Edge:
             return
         if self.allowed_hosts is not None and not _host_allowed(scope, self.allowed_hosts):
             await host_not_allowed().response(scope["path"])(scope, receive, send)
+            return
+        if scope["path"] in PROBE_PATHS and scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
             return
         if self.in_flight >= self.max_requests:
             await busy().response(scope["path"])(scope, receive, send)
@@ -247,12 +254,12 @@ def body_timeout(seconds: float) -> Problem:
 
 def overflow_app(settings: Settings) -> Callable[[ASGIApp], ASGIApp]:
     """What serves a connection over ``ingress_max_connections``, around the application
-    ``app``: ``/healthz`` as ever (a probe must get through), anything else a 503, and the
+    ``app``: the probes' paths as ever (a probe must get through), anything else a 503, and the
     connection closed."""
 
     def overflow(app: ASGIApp) -> ASGIApp:
         async def answer(scope: Scope, receive: Receive, send: Send) -> None:
-            if scope.get("path") == HEALTH_PATH:
+            if scope.get("path") in PROBE_PATHS:
                 await app(scope, receive, send)
                 return
             started = time.perf_counter()
