@@ -96,7 +96,7 @@ class Edge:
         if scope["path"] == HEALTH_PATH:
             await self.app(scope, receive, send)
             return
-        if self.allowed_hosts is not None and not _host_allowed(scope, self.allowed_hosts):
+        if self.allowed_hosts is not None and not host_allowed(scope, self.allowed_hosts):
             await host_not_allowed().response(scope["path"])(scope, receive, send)
             return
         if scope["path"] in PROBE_PATHS and scope["method"] in ("GET", "HEAD"):
@@ -203,7 +203,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return next((value for key, value in values if key == name), None)
 
 
-def _host_allowed(scope: Scope, allowed: frozenset[str]) -> bool:
+def host_allowed(scope: Scope, allowed: frozenset[str]) -> bool:
     """Whether the request's ``Host`` (without its port) is one of ``allowed``."""
     host = _header(scope, b"host")
     if host is None:
