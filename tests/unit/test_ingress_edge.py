@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from worker.ingress.edge import host_allowed
+from worker.ingress.edge import host_allowed, within_limit
 
 ALLOWED = frozenset({"localhost", "127.0.0.1", "[::1]"})
 
@@ -64,3 +64,22 @@ def test_the_connection_cap_is_lowered_under_a_low_limit_of_open_files() -> None
         "ingress_max_connections is 512, but the process may open 300 files: serving 152 "
         "connections at most (raise `ulimit -n`)"
     ]
+
+
+@pytest.mark.parametrize(
+    ("content_length", "within"),
+    [
+        (b"0", True),
+        (b"1000", True),
+        (b"0001000", True),
+        (b"1001", False),
+        (b"9" * 5000, False),
+        (b"-1", False),
+        (b"1e3", False),
+        (b"", False),
+    ],
+)
+def test_a_declared_length_is_within_the_limit_only_as_digits_of_at_most_it(
+    content_length: bytes, within: bool
+) -> None:
+    assert within_limit(content_length, 1000) is within

@@ -127,8 +127,8 @@ class Edge:
         ``body_timeout``; the body is read no further than past ``max_body_bytes`` (the route
         refuses it then, as it refuses a Content-Length over the limit, which is not read)."""
         declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            return receive
+        if declared is not None and not within_limit(declared, self.max_body_bytes):
+            return receive  # (refused by the route before it reads a byte)
         chunks: list[bytes] = []
         size = 0
         more = True
@@ -148,6 +148,15 @@ class Edge:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
         return _replaying(body, receive)
+
+
+def within_limit(content_length: bytes, limit: int) -> bool:
+    """Whether a declared Content-Length is a size of at most ``limit`` (compared by its digits
+    first, so that no length of thousands of digits is ever converted)."""
+    digits = content_length.lstrip(b"0")
+    return (
+        content_length.isdigit() and len(digits) <= len(str(limit)) and int(digits or b"0") <= limit
+    )
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:
