@@ -42,26 +42,26 @@ def test_the_host_check_compares_the_name_without_its_port(
 CAP_UNDER_A_LIMIT = """
 import logging, resource, sys
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+resource.setrlimit(resource.RLIMIT_NOFILE, (600, 600))
 from worker.ingress.serve import open_files_allow
 print(open_files_allow(100), open_files_allow(512))
 """
 
 
 @pytest.mark.skipif(
-    resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 300, reason="the hard limit is below 300"
+    resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 600, reason="the hard limit is below 600"
 )
 def test_the_connection_cap_is_lowered_under_a_low_limit_of_open_files() -> None:
-    # Given a process that may open 300 files at most
+    # Given a process that may open 600 files at most
     result = subprocess.run(
         [sys.executable, "-c", CAP_UNDER_A_LIMIT], capture_output=True, text=True, check=True
     )
-    # Then 100 connections fit (with their overflow and the spare files), 512 do not: the cap
-    # is lowered with a warning that names the setting
+    # Then 100 connections fit (with their overflow, the backlog and the spare files), 512 do
+    # not: the cap is lowered with a warning that names the setting
     *warnings, caps = result.stdout.splitlines()
-    assert caps == "100 152"
+    assert caps == "100 305"
     assert warnings == [
-        "ingress_max_connections is 512, but the process may open 300 files: serving 152 "
+        "ingress_max_connections is 512, but the process may open 600 files: serving 305 "
         "connections at most (raise `ulimit -n`)"
     ]
 

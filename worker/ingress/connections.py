@@ -10,7 +10,7 @@ bytes waiting to be read (an idle or a slow client loses its place to a new one,
 progress, the new connection is served by the overflow application once its headers arrive
 (within ``OVERFLOW_GRACE``): the probes' paths as ever, anything else a 503; and beyond ``overflow``
 such connections a new one is closed unread. Open descriptors stay below ``max_connections +
-overflow``.
+overflow`` and the connections accepted in one turn of the event loop (the listener's backlog).
 
 The protocol is uvicorn's h11 one with timers around it: ``LimitedH11Protocol.limited(limits)``
 is the class to give ``uvicorn.Config(http=...)``.

@@ -38,8 +38,10 @@ a client still sending its body is cut off."""
 MAX_HEADER_BYTES = 16 * 1024
 """Bytes of a request line and headers h11 buffers at most before it refuses the request (400)."""
 
-BACKLOG = 512
-"""Connections the kernel queues before the ingress accepts them."""
+BACKLOG = 128
+"""Connections the kernel queues before the ingress accepts them, and so the most asyncio accepts
+in one turn of the event loop: the connections closed to make room for them close in the next,
+so for a moment the process may hold this many more files than its cap."""
 
 SPARE_FILES = 128
 """Open files kept for what is not a client connection: the database pool, logs, the listener,
@@ -152,7 +154,7 @@ def open_files_allow(connections: int) -> int:
     open files is raised to the hard one when that is needed, and beyond it the cap is lowered
     (with a warning) so that a flood meets the cap, never "Too many open files"."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = connections + connections // 8 + SPARE_FILES
+    needed = connections + connections // 8 + BACKLOG + SPARE_FILES
     if soft != resource.RLIM_INFINITY and soft < needed:
         raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
         with contextlib.suppress(ValueError, OSError):
@@ -160,7 +162,7 @@ def open_files_allow(connections: int) -> int:
             soft = raised
     if soft == resource.RLIM_INFINITY or soft >= needed:
         return connections
-    allowed = max(1, (soft - SPARE_FILES) * 8 // 9)
+    allowed = max(1, (soft - BACKLOG - SPARE_FILES) * 8 // 9)
     log.warning(
         "ingress_max_connections is %d, but the process may open %d files: serving %d "
         "connections at most (raise `ulimit -n`)",
