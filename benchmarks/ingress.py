@@ -83,9 +83,10 @@ LATENCY_CONNECTIONS = 200
 one while the server keeps up."""
 
 BASELINE_INSERT_REQUEST = """
-INSERT INTO ingress_requests (handler, key, routing_key, fingerprint, message_id)
-VALUES ('payment.requested', $1, 'payment.requested', $2, $3)
-ON CONFLICT (handler, key) DO NOTHING
+INSERT INTO ingress_requests
+    (handler, client, key, handler_key, routing_key, fingerprint, message_id)
+VALUES ('payment.requested', 'anonymous', $1, 'http:anonymous:' || $1, 'payment.requested', $2, $3)
+ON CONFLICT (handler, client, key) DO NOTHING
 RETURNING message_id
 """
 

@@ -39,6 +39,7 @@ from tests.integration.test_ingress import (
     keyed,
     nothing_stored,
     payment,
+    served_port,
     start_serve,
 )
 from worker.ingress.serve import BACKLOG
@@ -70,14 +71,7 @@ async def served(
     log = tmp_path / "serve.log"
     process = start_serve(settings, log, **environ)
     try:
-
-        async def listening() -> bool:
-            return "serving the ingress" in log.read_text() or process.poll() is not None
-
-        await wait_until(listening, timeout=60)
-        port = re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())
-        assert port is not None, log.read_text()
-        yield Served(process.pid, int(port[1]), log)
+        yield Served(process.pid, await served_port(log), log)
     finally:
         process.terminate()
         await asyncio.to_thread(process.wait, 30)

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import shlex
 import signal
 import sys
 from collections import Counter
@@ -30,6 +31,7 @@ from worker.errors import ConfigurationError
 from worker.ops import supervisor
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import FIELDS, Field, Group, Settings, duration, format_duration, positive_int
+from worker.sql.inspection import OUTBOX_STATES, RETRY_STATES
 
 log = logging.getLogger("worker")
 _T = TypeVar("_T")
@@ -115,11 +117,24 @@ def _add_flag(section: argparse._ArgumentGroup, spec: Field, aliases: Sequence[s
             spec.flag,
             *aliases,
             dest=spec.name,
-            type=spec.parse,
+            type=_unechoed(spec.parse) if spec.secret else spec.parse,
             default=None,
             metavar=spec.name.upper(),
             help=_flag_help(spec),
         )
+
+
+def _unechoed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse``, whose refusal argparse reports by its reason alone (a ``ValueError`` would be
+    reported with the value given: a secret's)."""
+
+    def parse_secret(raw: str) -> Any:
+        try:
+            return parse(raw)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse_secret
 
 
 class _Refused(argparse.Action):
@@ -369,29 +384,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     outbox = commands.add_parser(
         "outbox",
-        help="inspect or retry the outbox rows the relay gave up on",
-        description="Rows the relay parked in outbox_parked after its last failed attempt.",
+        help="list unpublished events (pending, backing off, parked) or publish them now",
+        description="Events committed to the outbox and not yet confirmed by the broker: pending "
+        "(due, a relay takes them next), backing-off (a publish failed; retried at their next "
+        "attempt) and parked (in outbox_parked after the last attempt failed).",
     )
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     outbox_list = command(
         outbox_commands,
         "outbox list",
         _outbox_list,
-        "show the parked outbox rows (they stay parked)",
-        "Show the parked outbox rows, parked longest first, without their bodies.",
+        "show unpublished events in every state, or in --state (nothing changes)",
+        "Show unpublished events without their bodies: pending and backing-off rows in the "
+        "order the relay takes them (their next attempt, its time by the database's clock, "
+        "their attempts and last error), parked rows oldest first. At most --limit rows of each "
+        "state, read from an index, however large the outbox.",
     )
-    outbox_list.add_argument("--limit", type=positive_int, default=100, help="default 100")
+    outbox_list.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        choices=OUTBOX_STATES,
+        help="only rows in this state (repeatable; default: every state)",
+    )
+    outbox_list.add_argument("--routing-key", help="only rows of this routing key (exact)")
+    outbox_list.add_argument(
+        "--limit", type=positive_int, default=100, help="at most this many rows of each state"
+    )
     outbox_list.add_argument("--json", action="store_true", help="one JSON object per line")
     outbox_retry = command(
         outbox_commands,
         "outbox retry",
         _outbox_retry,
-        "move parked outbox rows back into the outbox, to be published again",
-        "In one transaction, move the parked rows (those with --id, or --all) back into the "
-        "outbox with their message_id, 0 attempts and their last error; the relay publishes "
-        "them again. Each gets a new outbox id: a row with an ordering key goes out after the "
-        "rows of its key emitted before the retry, not in its original place. Prints how many "
-        "by routing key (a line per row too with --id or --verbose).",
+        "publish backing-off and parked outbox rows now",
+        "In one transaction: backing-off rows become due now by the database's clock (they keep "
+        "their attempts), and parked rows move back into the outbox with their message_id, 0 "
+        "attempts and their last error (each gets a new outbox id: a row with an ordering key "
+        "goes out after the rows of its key emitted before the retry); relays are woken at "
+        "commit. Which rows: --id, --routing-key or --all, of --state (default both). Prints "
+        "how many by routing key (a line per row too with --id or --verbose). Exits 1 when an "
+        "--id or the --routing-key matches no backing-off or parked row.",
     )
     _verbose(outbox_retry)
     which = outbox_retry.add_mutually_exclusive_group(required=True)
@@ -402,9 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         metavar="ID",
-        help="the parked rows' ids (as `worker outbox list` shows them)",
+        help="the rows' ids (as `worker outbox list` shows them)",
     )
-    which.add_argument("--all", action="store_true", help="every parked row")
+    which.add_argument("--routing-key", help="every backing-off or parked row of this routing key")
+    which.add_argument("--all", action="store_true", help="every backing-off and parked row")
+    outbox_retry.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        choices=RETRY_STATES,
+        help="only rows in this state (repeatable; default: both)",
+    )
 
     verify = command(
         commands,
@@ -870,33 +910,95 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
 def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
-    rows = asyncio.run(admin.parked_outbox(settings, limit=args.limit))
-    for row in rows:
+    states = _chosen(OUTBOX_STATES, args.states)
+    entries = asyncio.run(
+        admin.outbox_list(settings, states, routing_key=args.routing_key, limit=args.limit)
+    )
+    for entry in entries:
         if args.json:
-            print(admin.to_json(row))
+            print(admin.to_json(entry))
         else:
-            _show(
-                f"id={row.id} message_id={row.message_id} exchange={row.exchange or '(default)'} "
-                f"routing_key={row.routing_key} ordering_key={row.ordering_key or '-'} "
-                f"attempts={row.attempts} created_at={row.created_at.isoformat()} "
-                f"parked_at={row.parked_at.isoformat()} last_error={row.last_error!r}"
-            )
-    if not args.json:
-        print(f"{len(rows)} parked outbox row(s) shown; `worker outbox retry` publishes them again")
+            _show(_outbox_line(entry))
+    if args.json:
+        return 0
+    shown = Counter(entry.state for entry in entries)
+    counts = ", ".join(f"{shown[state]} {state}" for state in states)
+    print(f"{counts} outbox row(s) shown")
+    full = [state for state in states if shown[state] == args.limit]
+    if full:
+        print(f"(--limit {args.limit} reached for {', '.join(full)}: there may be more)")
+    waiting = {entry.routing_key for entry in entries if entry.state != "pending"}
+    if waiting:
+        key = shlex.quote(waiting.pop()) if len(waiting) == 1 else "KEY"
+        _show(
+            f"`worker outbox retry --routing-key {key}` (or --id ID, --all) publishes "
+            "backing-off and parked rows now"
+        )
     return 0
+
+
+def _outbox_line(entry: Any) -> str:
+    """One row of ``worker outbox list``: its state, then ``name=value`` pairs."""
+    fields = [
+        f"{entry.state:<11} id={entry.id} message_id={entry.message_id}",
+        f"exchange={entry.exchange or '(default)'} routing_key={entry.routing_key}",
+        f"ordering_key={entry.ordering_key or '-'} attempts={entry.attempts}",
+        f"created_at={entry.created_at.isoformat()}",
+    ]
+    if entry.parked_at is not None:
+        fields.append(f"parked_at={entry.parked_at.isoformat()}")
+    elif entry.attempts:
+        fields.append(
+            f"next_attempt={entry.available_at.isoformat()} (in {entry.due_in_seconds:.0f}s)"
+        )
+    if entry.last_error is not None:
+        fields.append(f"last_error={entry.last_error!r}")
+    return " ".join(fields)
+
+
+def _chosen(states: Sequence[str], asked: Sequence[str] | None) -> list[str]:
+    """The ``states`` asked for with ``--state`` (each once, in ``states``' order), or all."""
+    return [state for state in states if asked is None or state in asked]
 
 
 def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
-    retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
-    if args.verbose or not args.all:
-        for row in retried.rows:
-            _show(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
-    _summary("retried by routing key", Counter(row.routing_key for row in retried.rows))
-    if retried.not_parked:
-        _show(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
-    print(f"{len(retried.rows)} parked outbox row(s) moved back into the outbox")
+    states = _chosen(RETRY_STATES, args.states)
+    retried = asyncio.run(
+        admin.retry_outbox(
+            settings,
+            None if args.all or args.ids is None else args.ids,
+            routing_key=args.routing_key,
+            states=states,
+        )
+    )
+    if args.verbose or args.ids:
+        for hurried in retried.hurried:
+            _show(f"hurried id={hurried.id} message_id={hurried.message_id}")
+        for moved in retried.moved:
+            _show(f"retried id={moved.parked_id} as id={moved.id} message_id={moved.message_id}")
+    _summary("retried by routing key", Counter(retried.routing_keys))
+    print(
+        f"{len(retried.hurried)} backing-off outbox row(s) made due now, "
+        f"{len(retried.moved)} parked outbox row(s) moved back into the outbox"
+    )
+    if retried.due:
+        _show(f"already due (pending): {', '.join(map(str, retried.due))}", file=sys.stderr)
+    if retried.unknown:
+        _show(
+            f"worker: error: no {' or '.join(states)} outbox row has id "
+            f"{', '.join(map(str, retried.unknown))} (see `worker outbox list`)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.routing_key is not None and not retried.routing_keys:
+        _show(
+            f"worker: error: no {' or '.join(states)} outbox row has routing key "
+            f"{args.routing_key!r} (see `worker outbox list`)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

@@ -293,7 +293,7 @@ async def outbox_drained(deployment: Deployment) -> Check:
 async def outbox_nothing_parked(deployment: Deployment) -> Check:
     """No row in ``outbox_parked`` (the relay gave up on it), unless ``allow_parked``."""
     async with deployment.engine.connect() as conn:
-        parked = await inspection.parked_outbox(conn, SAMPLE)
+        parked = await inspection.outbox_entries(conn, "parked", SAMPLE)
         total = (await inspection.outbox_stats(conn)).parked
     if not total:
         return Check("outbox-nothing-parked", True, "no parked outbox row")
