@@ -540,6 +540,55 @@ class Settings:
         Group.INGRESS,
         "database connections the ingress holds; a request waits for a free one",
     )
+    ingress_max_connections: int = setting(
+        512,
+        positive_int,
+        Group.INGRESS,
+        "client connections the ingress keeps open; when they are all open, a new one closes "
+        "the oldest idle one, and without an idle one it is answered 503 (see Bounds)",
+    )
+    ingress_max_requests: int = setting(
+        100,
+        positive_int,
+        Group.INGRESS,
+        "requests the ingress handles at once, bodies being read included; more are answered "
+        "503 at once (`/healthz` excepted). Times `max_body_bytes`, it bounds the bodies held",
+    )
+    ingress_header_timeout: float = setting(
+        10.0,
+        duration,
+        Group.INGRESS,
+        "how long a client has to send a request's headers, from its connection or from the "
+        "request's first byte; then the connection is closed",
+    )
+    ingress_body_timeout: float = setting(
+        30.0,
+        duration,
+        Group.INGRESS,
+        "how long a client has to send a request's whole body once its headers arrived; then "
+        "it is answered 408 and the connection closed",
+    )
+    ingress_keep_alive: float = setting(
+        65.0,
+        duration,
+        Group.INGRESS,
+        "how long an idle connection is kept open after an answer; keep it longer than the "
+        "idle timeout of a load balancer in front (60 s for most)",
+    )
+    ingress_allowed_hosts: tuple[str, ...] = setting(
+        ("localhost", "127.0.0.1", "[::1]"),
+        _handler_list,
+        Group.INGRESS,
+        "comma-separated host names a request's `Host` may name while `ingress_tokens` is "
+        "empty (against DNS rebinding); others are refused (400). `*` for any. With tokens, "
+        "any host is served",
+    )
+    ingress_access_log: bool = setting(
+        True,
+        boolean,
+        Group.INGRESS,
+        "log one line per request: method, path, status, duration, Idempotency-Key, client",
+    )
     workflow_lease: float = setting(
         30.0,
         duration,

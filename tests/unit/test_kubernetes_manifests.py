@@ -537,3 +537,46 @@ def test_the_autoscaler_keda_makes_from_it_is_valid() -> None:
         "spec": hpa_spec,
     }
     kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
+
+
+def test_network_policies_let_in_only_the_ports_each_pod_serves() -> None:
+    templates = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in (*of_kind("Deployment"), *of_kind("Job"))
+    }
+    policies = of_kind("NetworkPolicy")
+    allowed: dict[str, set[int]] = {name: set() for name in templates}
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for name, labels in templates.items():
+            if selects_pod(spec["podSelector"], labels):
+                for rule in spec.get("ingress", []):
+                    assert rule["from"], "a rule with no sources would let everyone in"
+                    allowed[name] |= {port["port"] for port in rule["ports"]}
+    # every pod of the worker is under some policy (one with no rule denies everything else)
+    for name, labels in templates.items():
+        assert any(selects_pod(p["spec"]["podSelector"], labels) for p in policies), name
+    ports = {name: set(container_ports(name)) for name in templates}
+    assert allowed == {
+        "worker": ports["worker"],
+        "worker-relay": ports["worker-relay"],
+        "worker-ingress": ports["worker-ingress"],
+        "worker-migrate": set(),
+    }
+    assert ports["worker"] == {9180}
+    assert ports["worker-ingress"] == {8000}
+
+
+def selects_pod(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and In expressions) selects pods with ``labels``."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions)
+    return selects(selector.get("matchLabels", {}), labels) and all(
+        labels.get(e["key"]) in e["values"] for e in expressions
+    )
+
+
+def container_ports(workload: str) -> list[int]:
+    [spec] = [spec for name, spec in pod_specs() if name == workload]
+    return [port["containerPort"] for c in spec["containers"] for port in c.get("ports", [])]
