@@ -13,6 +13,7 @@ from typing import Any
 import aio_pika
 import httpx
 import pytest
+from pydantic import BaseModel
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -41,6 +42,21 @@ ALICE_NEXT = "alice:alice-next-token-98765"  # (a second token of the same clien
 BOB = "bob:bob-token-0123456789abcd"
 BARE = "a-bare-token-0123456789abc"
 TOKENS = (ALICE, ALICE_NEXT, BOB, BARE)
+
+
+class PaymentInEuros(BaseModel):
+    """A payment body that also needs a currency: the handler's body type after a change."""
+
+    payment_id: str
+    currency: str
+
+
+stricter = Router()
+
+
+@stricter.handler("payment.requested")
+async def request_in_euros(msg: PaymentInEuros, ctx: Context) -> None:
+    """Never runs in the tests: the bodies the ingress accepted lack ``currency``."""
 
 
 def as_(entry: str) -> dict[str, str]:
@@ -368,3 +384,30 @@ async def test_requests_accepted_before_the_upgrade_are_retried_as_then_and_read
     assert is_problem(changed, 422, "key-reused"), changed.text
     assert is_problem(read, 404, "unknown-message"), read.text
     assert events == 0
+
+
+async def test_a_request_whose_event_was_parked_before_its_handler_ran_reads_as_parked(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    async with ingress(settings) as client:
+        # Given a request accepted while the handler took the payments example's body
+        posted = await client.post(REQUESTED, json=payment("p-parked"), headers=keyed("k-parked"))
+        # When the worker that consumes its event runs a handler whose body type changed since
+        async with running_worker(settings, stricter) as worker:
+
+            async def parked() -> bool:
+                return worker.stats["dead_lettered"] >= 1
+
+            await wait_until(parked, timeout=30)
+        read = await client.get(f"{REQUESTED}/k-parked")
+        other = await client.get(f"{REQUESTED}/k-never-posted")
+
+    # Then the client reads that it was parked, and where an operator finds it
+    assert posted.status_code == 202, posted.text
+    assert read.status_code == 200, read.text
+    body = read.json()
+    assert (body["status"], body["reason"], body["result"]) == ("parked", "parked", None)
+    assert "`worker dlq list --key http:anonymous:k-parked`" in body["error"]
+    # And a key nobody posted is still unknown
+    assert is_problem(other, 404, "unknown-message"), other.text
+    assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
