@@ -137,9 +137,19 @@ def cpu_seconds(pid: int) -> float | None:
 
 def peak_rss_kib(pid: int) -> int:
     """``VmHWM`` of ``pid`` (``/proc/<pid>/status``), 0 once it ended."""
+    return status_kib(pid, "VmHWM")
+
+
+def rss_kib(pid: int) -> int:
+    """``VmRSS`` of ``pid`` now (``/proc/<pid>/status``), 0 once it ended."""
+    return status_kib(pid, "VmRSS")
+
+
+def status_kib(pid: int, name: str) -> int:
+    """The KiB of field ``name`` of ``/proc/<pid>/status``, 0 once the process ended."""
     with contextlib.suppress(OSError):
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{name}:"):
                 return int(line.split()[1])
     return 0
 

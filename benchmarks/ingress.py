@@ -21,11 +21,19 @@ server for it) measures:
    (an open loop: a request is sent at its time whether or not earlier ones were answered), from
    its deadline to its answer; p50 and p99 (nearest rank) against the target p99 < 50 ms.
 
+Then two attacks on ``worker serve`` in a process of its own, at its default bounds, as a
+client without a token could make them: ``--connections`` (1,100) idle TCP connections, and
+``--slow-clients`` (400) POSTs that declare a body of ``max_body_bytes`` (1 MiB), send 99 % of
+it and stall. For each: the process's RSS (``/proc/<pid>/status``) before, under and a few
+seconds after the attack, its open files before and under it (``/proc/<pid>/fd``), and ten
+``/healthz`` probes made under it (answered, p50, slowest).
+
 The tables are emptied and a CHECKPOINT taken before each measurement. Tests never assert the
 timings. A fresh database ``worker_bench_<hex>`` is created next to the one in
 ``WORKER_DATABASE_URL``, migrated and dropped at the end. From the repository root::
 
-    .venv/bin/python -m benchmarks.ingress [--requests 5000] [--rate 500] [--seconds 10] [--quick]
+    .venv/bin/python -m benchmarks.ingress [--requests 5000] [--rate 500] [--seconds 10]
+        [--connections 1100] [--slow-clients 400] [--quick]
 """
 
 from __future__ import annotations
@@ -36,12 +44,17 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Annotated, Any
 
 import asyncpg
@@ -49,6 +62,7 @@ import httpx
 from fastapi import FastAPI, Header
 from starlette.responses import JSONResponse
 
+from benchmarks.footprint import rss_kib
 from benchmarks.relay_latency import percentile, progress
 from examples.payments import router as payments_router
 from examples.payments.handlers import PaymentRequested
@@ -69,9 +83,10 @@ LATENCY_CONNECTIONS = 200
 one while the server keeps up."""
 
 BASELINE_INSERT_REQUEST = """
-INSERT INTO ingress_requests (handler, key, routing_key, fingerprint, message_id)
-VALUES ('payment.requested', $1, 'payment.requested', $2, $3)
-ON CONFLICT (handler, key) DO NOTHING
+INSERT INTO ingress_requests
+    (handler, client, key, handler_key, routing_key, fingerprint, message_id)
+VALUES ('payment.requested', 'anonymous', $1, 'http:anonymous:' || $1, 'payment.requested', $2, $3)
+ON CONFLICT (handler, client, key) DO NOTHING
 RETURNING message_id
 """
 
@@ -89,6 +104,8 @@ class Options:
     clients: int
     rate: float
     seconds: float
+    connections: int = 1100
+    slow_clients: int = 400
 
 
 @dataclass(frozen=True)
@@ -290,6 +307,231 @@ async def run(settings: Settings, options: Options) -> list[Measured]:
     ]
 
 
+# -- attacks: what a client without a token can do to the ingress's connections ----------------
+
+Streams = list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]
+"""Client connections: what each reads, and what it writes with."""
+
+
+async def idle_connections(port: int, count: int) -> Streams:
+    """``count`` TCP connections to ``127.0.0.1:port`` that send nothing (those the server
+    refuses to accept are left out)."""
+    streams = []
+    for _ in range(count):
+        try:
+            streams.append(await asyncio.open_connection("127.0.0.1", port))
+        except OSError:
+            continue
+    return streams
+
+
+def closed_by_server(streams: Streams) -> int:
+    """How many of ``streams`` the server has closed (their end of file has arrived)."""
+    return sum(reader.at_eof() or reader.exception() is not None for reader, _ in streams)
+
+
+async def slow_bodies(port: int, count: int, declared: int, sent: int) -> Streams:
+    """``count`` POSTs of a payment that declare ``declared`` bytes of body, send ``sent`` of
+    them and stall."""
+    head = (
+        f"POST {PATH} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        f"Idempotency-Key: slow\r\nContent-Length: {declared}\r\n\r\n"
+    ).encode()
+    body = b" " * sent
+    streams = []
+    for _ in range(count):
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            continue
+        writer.write(head)
+        writer.write(body)
+        streams.append((reader, writer))
+    return streams
+
+
+async def close_all(writers: list[asyncio.StreamWriter]) -> None:
+    """Close every connection at once (a reset, as a killed client's)."""
+    for writer in writers:
+        writer.transport.abort()
+    await asyncio.sleep(0)
+
+
+async def status_of(reader: asyncio.StreamReader, within: float) -> int | None:
+    """The status of the response ``reader`` gets within ``within`` seconds; None when the
+    connection closes (or stays silent) first."""
+    try:
+        async with asyncio.timeout(within):
+            line = await reader.readline()
+    except (TimeoutError, OSError):
+        return None
+    parts = line.split()
+    return int(parts[1]) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+async def probe(
+    port: int, path: str = "/healthz", within: float = 10.0
+) -> tuple[int | None, float]:
+    """A GET of ``path`` on a connection of its own: its status (None without an answer within
+    ``within`` seconds) and the seconds it took."""
+    started = time.perf_counter()
+    request = f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    try:
+        async with asyncio.timeout(within):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request.encode())
+            status = await status_of(reader, within)
+            writer.transport.abort()
+    except (TimeoutError, OSError):
+        status = None
+    return status, time.perf_counter() - started
+
+
+def open_files(pid: int) -> int:
+    """File descriptors ``pid`` holds open (``/proc/<pid>/fd``)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def start_ingress(settings: Settings, log: Path, **environ: str) -> subprocess.Popen[bytes]:
+    """``python -m worker serve --port 0`` for the payments example on ``settings``' database,
+    with ``environ`` added to its environment, its output in ``log``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        WORKER_DATABASE_URL=settings.database_url,
+        WORKER_HANDLERS="examples.payments",
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+        **environ,
+    )
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "worker", "serve", "--port", "0"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+
+
+async def listening_port(log: Path, process: subprocess.Popen[bytes]) -> int:
+    """The port ``worker serve`` logged it listens on, once it did (within a minute)."""
+    deadline = time.monotonic() + 60
+    text = ""
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(log.read_text)
+        found = re.search(r"serving the ingress .* on http://[^:]+:(\d+)", text)
+        if found:
+            return int(found[1])
+        if process.poll() is not None:
+            break
+        await asyncio.sleep(0.1)
+    raise RuntimeError(f"worker serve did not listen:\n{text}")
+
+
+@dataclass(frozen=True)
+class AttackFigures:
+    """What the ingress process looked like before, under and after one attack."""
+
+    name: str
+    rss_before_mib: float
+    rss_during_mib: float
+    rss_after_mib: float
+    files_before: int
+    files_during: int
+    probes: list[tuple[int | None, float]]
+    statuses: dict[str, int]
+
+
+async def _probes(port: int, count: int) -> list[tuple[int | None, float]]:
+    results = []
+    for _ in range(count):
+        results.append(await probe(port))
+        await asyncio.sleep(0.2)
+    return results
+
+
+async def attacked(
+    name: str,
+    pid: int,
+    port: int,
+    attack: Coroutine[Any, Any, Streams],
+    outcome: Callable[[Streams], Coroutine[Any, Any, dict[str, int]]],
+    settle: float,
+) -> AttackFigures:
+    """The figures of ``attack`` on the ingress process ``pid``: /healthz probed under it, what
+    became of its connections (``outcome``), then all of them closed and ``settle`` seconds
+    left for the process to give back what it held."""
+    rss_before, files_before = rss_kib(pid) / 1024, open_files(pid)
+    streams = await attack
+    probes = await _probes(port, 10)
+    rss_during, files_during = rss_kib(pid) / 1024, open_files(pid)
+    statuses = await outcome(streams)
+    await close_all([writer for _, writer in streams])
+    await asyncio.sleep(settle)
+    rss_after = rss_kib(pid) / 1024
+    return AttackFigures(
+        name, rss_before, rss_during, rss_after, files_before, files_during, probes, statuses
+    )
+
+
+async def idle_flood(pid: int, port: int, connections: int) -> AttackFigures:
+    """``connections`` idle connections, /healthz probed meanwhile, then all closed."""
+
+    async def closed(streams: Streams) -> dict[str, int]:
+        return {"opened": len(streams), "closed by the server": closed_by_server(streams)}
+
+    attack = idle_connections(port, connections)
+    return await attacked("idle flood", pid, port, attack, closed, settle=2)
+
+
+async def slow_body_flood(pid: int, port: int, clients: int, declared: int) -> AttackFigures:
+    """``clients`` POSTs declaring ``declared`` bytes that send 99 % and stall, /healthz probed
+    meanwhile; then they are closed and the ingress left idle a few seconds."""
+
+    async def answers(streams: Streams) -> dict[str, int]:
+        statuses = await asyncio.gather(*(status_of(reader, 0.5) for reader, _ in streams))
+        return dict(Counter(str(status) if status else "no answer yet" for status in statuses))
+
+    attack = slow_bodies(port, clients, declared, declared * 99 // 100)
+    return await attacked("slow bodies", pid, port, attack, answers, settle=3)
+
+
+async def attacks(settings: Settings, connections: int, slow_clients: int) -> list[AttackFigures]:
+    """Both attacks against ``worker serve`` in a process of its own, at its default bounds."""
+    with tempfile.TemporaryDirectory() as directory:
+        log = Path(directory) / "serve.log"
+        process = start_ingress(settings, log, WORKER_INGRESS_ACCESS_LOG="false")
+        try:
+            port = await listening_port(log, process)
+            await probe(port)
+            progress(f"(attacks) {connections} idle connections ...")
+            idle = await idle_flood(process.pid, port, connections)
+            progress(f"(attacks) {slow_clients} slow 1 MiB bodies ...")
+            slow = await slow_body_flood(process.pid, port, slow_clients, settings.max_body_bytes)
+        finally:
+            process.terminate()
+            await asyncio.to_thread(process.wait, 30)
+    return [idle, slow]
+
+
+def attack_report(figures: list[AttackFigures]) -> str:
+    lines = [
+        "",
+        "attacks on worker serve (default bounds), RSS in MiB before / under / after, open files "
+        "before / under, /healthz probes under attack",
+        f"{'attack':<13}{'rss':>20}{'files':>12}{'probes ok':>11}{'p50 ms':>9}{'max ms':>9}  "
+        "connections",
+    ]
+    for each in figures:
+        answered = sorted(1000 * seconds for status, seconds in each.probes if status == 200)
+        rss = f"{each.rss_before_mib:.0f} / {each.rss_during_mib:.0f} / {each.rss_after_mib:.0f}"
+        lines.append(
+            f"{each.name:<13}{rss:>20}{f'{each.files_before} / {each.files_during}':>12}"
+            f"{f'{len(answered)}/{len(each.probes)}':>11}"
+            f"{percentile(answered, 50) if answered else float('nan'):>9.1f}"
+            f"{answered[-1] if answered else float('nan'):>9.1f}  {each.statuses}"
+        )
+    return "\n".join(lines)
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 
@@ -340,6 +582,12 @@ def parse_options(argv: list[str] | None) -> Options:
     parser.add_argument("--clients", type=positive_int, default=CLIENTS, help="(50)")
     parser.add_argument("--rate", type=positive_float, default=500.0, help="offered req/s (500)")
     parser.add_argument("--seconds", type=positive_float, help="seconds offered (10; 1 --quick)")
+    parser.add_argument(
+        "--connections", type=positive_int, help="idle connections of the flood (1100; 200 --quick)"
+    )
+    parser.add_argument(
+        "--slow-clients", type=positive_int, help="slow 1 MiB bodies (400; 40 --quick)"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run")
     args = parser.parse_args(argv)
     return Options(
@@ -347,6 +595,8 @@ def parse_options(argv: list[str] | None) -> Options:
         clients=args.clients,
         rate=args.rate,
         seconds=args.seconds or (1.0 if args.quick else 10.0),
+        connections=args.connections or (200 if args.quick else 1100),
+        slow_clients=args.slow_clients or (40 if args.quick else 400),
     )
 
 
@@ -354,7 +604,9 @@ def main(argv: list[str] | None = None) -> None:
     options = parse_options(argv)
     with scratch_database(Settings.load(), payments_router, prefix="worker_bench") as settings:
         results = asyncio.run(run(settings, options))
+        figures = asyncio.run(attacks(settings, options.connections, options.slow_clients))
     print(report(results, options, settings))
+    print(attack_report(figures))
 
 
 if __name__ == "__main__":

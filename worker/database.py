@@ -28,7 +28,7 @@ from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from worker.errors import ConfigurationError, NoPrimary, causes, refusals_explained
-from worker.settings import Settings
+from worker.settings import Settings, asyncpg_url, field
 from worker.sql import maintenance
 
 PROBE_TIMEOUT = 5.0
@@ -69,9 +69,10 @@ reports (PostgreSQL 14 and later) that, ``on``, say it is not one."""
 def engine_for(
     sqlalchemy_url: str, *, application_name: str = "worker", **pool: Any
 ) -> AsyncEngine:
-    """An engine for ``sqlalchemy_url`` (a ``postgresql+asyncpg://`` URL that may carry libpq's
-    TLS options), with statement parameters hidden from its errors; ``pool`` sizes its pool."""
-    url, connect_args = connect_options(sqlalchemy_url)
+    """An engine for ``sqlalchemy_url`` (``postgresql://`` or ``postgresql+asyncpg://``, which
+    may carry libpq's TLS options and several hosts: ``asyncpg_url``), with statement parameters
+    hidden from its errors; ``pool`` sizes its pool."""
+    url, connect_args = connect_options(asyncpg_url(sqlalchemy_url))
     connect_args["server_settings"] = {"application_name": application_name}
     engine = create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
@@ -111,6 +112,23 @@ def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, An
                 raise InvalidatePoolError(f"the server reports {parameter}=on: not a primary")
 
     return refuse
+
+
+def engine_from_env(
+    environ: Mapping[str, str] | None = None,
+    *,
+    application_name: str = "worker-producer",
+    **pool: Any,
+) -> AsyncEngine:
+    """An engine on the worker's database for your own code (``worker.outbox.publish`` in your
+    transactions), from ``WORKER_DATABASE_URL`` in ``environ`` (default: ``os.environ``; unset,
+    the worker's default, a local PostgreSQL), read as the worker reads it: ``postgresql://`` is
+    given to asyncpg (not to psycopg, as SQLAlchemy alone would), libpq's TLS options and
+    several hosts mean what they mean to ``psql``. No other ``WORKER_*`` variable is read.
+    ``pool`` goes to SQLAlchemy (``pool_size``, ``max_overflow``, ``pool_timeout``, ...); the
+    engine is yours to ``await engine.dispose()``. Also ``worker.outbox.engine_from_env``."""
+    url = field("database_url").read(environ)
+    return engine_for(url, application_name=application_name, **pool)
 
 
 def create_engine(

@@ -16,7 +16,6 @@ same ``key`` and its event is deduplicated too.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -25,20 +24,19 @@ from sqlalchemy.exc import InvalidRequestError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from worker.core.events import Event
-from worker.settings import FIELDS, Field
+from worker.database import engine_from_env
+from worker.settings import field
 from worker.sql import outbox
 from worker.sql.driver import Connection, NotInTransaction
 
-__all__ = ["Event", "NotInTransaction", "publish", "publish_many"]
-
-_EXCHANGE: Field = next(field for field in FIELDS if field.name == "exchange")
+__all__ = ["Event", "NotInTransaction", "engine_from_env", "publish", "publish_many"]
 
 
 def default_exchange() -> str:
     """Where an event that names no exchange goes: ``WORKER_EXCHANGE`` when the environment sets
     it (the worker's own setting, so a producer deployed beside the worker follows it), else the
     worker's default, ``events``."""
-    return os.environ.get(_EXCHANGE.env) or str(_EXCHANGE.default)
+    return str(field("exchange").read())
 
 
 async def publish(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -74,18 +75,45 @@ ingress, so one a person could guess is refused at start."""
 _BEARER_TOKEN = re.compile(r"[A-Za-z0-9._~+/-]+=*")
 """RFC 6750's ``b64token``: what an ``Authorization: Bearer`` header can carry."""
 
+MAX_CLIENT_NAME_LENGTH = 64
+_CLIENT_NAME = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_CLIENT_NAME_LENGTH}}}")
+"""A client's name (``name:token``): what scopes its keys and results at the ingress."""
+
+
+def token_client(entry: str) -> tuple[str, str]:
+    """(client name, token) of one ``ingress_tokens`` entry, ``name:token`` or a bare token.
+
+    A bare token's client is ``token-`` and 12 hex digits of its SHA-256, stable while the token
+    is (``:`` is no token character, so the first one ends the name). ``ValueError`` (which never
+    repeats the entry) for a name or a token out of their alphabets, or a short token."""
+    name, colon, token = entry.partition(":")
+    if not colon:
+        name, token = "token-" + hashlib.sha256(entry.encode("utf-8")).hexdigest()[:12], entry
+    if not _CLIENT_NAME.fullmatch(name):
+        raise ValueError(
+            f"a client name (before the colon) must be 1 to {MAX_CLIENT_NAME_LENGTH} letters, "
+            "digits or -._"
+        )
+    if len(token) < MIN_TOKEN_LENGTH or not _BEARER_TOKEN.fullmatch(token):
+        raise ValueError(
+            f"each token must be at least {MIN_TOKEN_LENGTH} characters of letters, digits "
+            "and -._~+/ (trailing = allowed)"
+        )
+    return name, token
+
 
 def bearer_tokens(raw: str) -> tuple[str, ...]:
-    """A comma-separated list of bearer tokens, each at least ``MIN_TOKEN_LENGTH`` characters of
-    RFC 6750's token alphabet (letters, digits, ``-._~+/``, trailing ``=``)."""
+    """A comma-separated list of bearer tokens, each ``name:token`` or a bare token (see
+    ``token_client``); a value that names no token at all (``,``) is refused, never taken as
+    "no authentication"."""
     _no_placeholder(raw)
-    tokens = tuple(part.strip() for part in raw.split(",") if part.strip())
+    tokens = tuple(part.strip() for part in raw.split(","))
+    if not any(tokens):
+        raise ValueError("names no token: leave it unset (or empty) for no authentication")
+    if not all(tokens):
+        raise ValueError("has an empty entry between commas")
     for token in tokens:
-        if len(token) < MIN_TOKEN_LENGTH or not _BEARER_TOKEN.fullmatch(token):
-            raise ValueError(
-                f"each token must be at least {MIN_TOKEN_LENGTH} characters of letters, digits "
-                "and -._~+/ (trailing = allowed)"
-            )
+        token_client(token)
     return tokens
 
 
@@ -259,7 +287,11 @@ def setting(
 
 @dataclass(frozen=True)
 class Settings:
-    """The worker's configuration. Defaults match a local PostgreSQL and RabbitMQ."""
+    """The worker's configuration. Defaults match a local PostgreSQL and RabbitMQ.
+
+    ``Settings.load()`` reads the ``WORKER_*`` environment variables; ``Settings(...)`` is the
+    values given and the defaults, nothing from the environment.
+    """
 
     database_url: str = setting(
         "postgresql://postgres@localhost:5432/postgres",
@@ -518,8 +550,9 @@ class Settings:
         bearer_tokens,
         Group.INGRESS,
         "comma-separated bearer tokens the ingress accepts (`Authorization: Bearer <token>`, "
-        "each at least 16 characters); none: no authentication. Prefer the variable to the "
-        "flag, which other users of the host can read",
+        "each at least 16 characters), each `name:token` (the client a token speaks for: it "
+        "reads back only what its name posted) or a bare token (its own client); none: no "
+        "authentication. Prefer the variable to the flag, which other users of the host can read",
         secret=True,
     )
     ingress_routing_keys: tuple[str, ...] = setting(
@@ -527,13 +560,63 @@ class Settings:
         _handler_list,
         Group.INGRESS,
         "comma-separated routing keys the ingress accepts messages for; none: every routing key "
-        "the handler modules serve (internal events included)",
+        "the handler modules serve except those a handler declares it publishes (`publishes=`: "
+        "the worker's own events)",
     )
     ingress_pool_size: int = setting(
         10,
         positive_int,
         Group.INGRESS,
         "database connections the ingress holds; a request waits for a free one",
+    )
+    ingress_max_connections: int = setting(
+        512,
+        positive_int,
+        Group.INGRESS,
+        "client connections the ingress keeps open; when they are all open, a new one closes "
+        "the oldest idle one, and without an idle one it is answered 503 (see Bounds)",
+    )
+    ingress_max_requests: int = setting(
+        100,
+        positive_int,
+        Group.INGRESS,
+        "requests the ingress handles at once, bodies being read included; more are answered "
+        "503 at once (`/healthz` excepted). Times `max_body_bytes`, it bounds the bodies held",
+    )
+    ingress_header_timeout: float = setting(
+        10.0,
+        duration,
+        Group.INGRESS,
+        "how long a client has to send a request's headers, from its connection or from the "
+        "request's first byte; then the connection is closed",
+    )
+    ingress_body_timeout: float = setting(
+        30.0,
+        duration,
+        Group.INGRESS,
+        "how long a client has to send a request's whole body once its headers arrived; then "
+        "it is answered 408 and the connection closed",
+    )
+    ingress_keep_alive: float = setting(
+        65.0,
+        duration,
+        Group.INGRESS,
+        "how long an idle connection is kept open after an answer; keep it longer than the "
+        "idle timeout of a load balancer in front (60 s for most)",
+    )
+    ingress_allowed_hosts: tuple[str, ...] = setting(
+        ("localhost", "127.0.0.1", "[::1]"),
+        _handler_list,
+        Group.INGRESS,
+        "comma-separated host names a request's `Host` may name while `ingress_tokens` is "
+        "empty (against DNS rebinding); others are refused (400). `*` for any. With tokens, "
+        "any host is served",
+    )
+    ingress_access_log: bool = setting(
+        True,
+        boolean,
+        Group.INGRESS,
+        "log one line per request: method, path, status, duration, Idempotency-Key, client",
     )
     workflow_lease: float = setting(
         30.0,
@@ -552,17 +635,17 @@ class Settings:
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Settings from ``environ`` (default: ``os.environ``), then non-None ``overrides``."""
+        """Settings from ``environ`` (default: ``os.environ``), then non-None ``overrides``.
+
+        This is the call that reads the ``WORKER_*`` variables; ``Settings(...)`` takes only
+        the values it is given, the rest at their defaults, whatever the environment says (so
+        tests and code that pass every value they mean are never changed by it).
+        """
         environ = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for spec in FIELDS:
-            raw = environ.get(spec.env)
-            if raw is None or raw == "":
-                continue
-            try:
-                values[spec.name] = spec.parse(raw)
-            except ValueError as exc:
-                raise ConfigurationError(f"{spec.env}{spec.shown(raw)}: {exc}") from None
+            if environ.get(spec.env):
+                values[spec.name] = spec.read(environ)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -599,13 +682,22 @@ class Settings:
 
     @property
     def sqlalchemy_url(self) -> str:
-        """``database_url`` as SQLAlchemy needs it: the asyncpg driver named, and several hosts
-        (``postgresql://u@h1:p1,h2:p2/db``, libpq's form) moved into the query
-        (``?host=h1,h2&port=p1,p2``, which SQLAlchemy's asyncpg dialect reads)."""
-        scheme, rest = self.database_url.split("://", 1)
-        if scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
-            return f"postgresql+asyncpg://{_hosts_in_query(rest)}"
-        raise ConfigurationError(f"database_url must be a postgresql:// URL, not {scheme}://")
+        """``database_url`` as SQLAlchemy needs it (``asyncpg_url``)."""
+        return asyncpg_url(self.database_url)
+
+
+def asyncpg_url(database_url: str) -> str:
+    """A PostgreSQL URL as SQLAlchemy needs it for the worker's driver: ``postgres://``,
+    ``postgresql://`` (libpq's and ``psql``'s spelling, which SQLAlchemy alone would give to
+    psycopg) or ``postgresql+asyncpg://`` becomes ``postgresql+asyncpg://``, and several hosts
+    (``postgresql://u@h1:p1,h2:p2/db``, libpq's form) move into the query
+    (``?host=h1,h2&port=p1,p2``, which SQLAlchemy's asyncpg dialect reads). Idempotent; any
+    other scheme is a ``ConfigurationError``."""
+    scheme, separator, rest = database_url.partition("://")
+    if separator and scheme in {"postgres", "postgresql", "postgresql+asyncpg"}:
+        return f"postgresql+asyncpg://{_hosts_in_query(rest)}"
+    shown = f"{scheme}://" if separator else "a URL without a scheme"
+    raise ConfigurationError(f"database_url must be a postgresql:// URL, not {shown}")
 
 
 DEFAULT_DATABASE_PORT = "5432"
@@ -649,17 +741,36 @@ class Field:
     group: Group
     default: Any
     secret: bool = False
-    """Declared ``secret``: its value is never shown, not even in an error about it."""
+    """Kept out of the settings' ``repr``, and out of every error about its value."""
 
     @classmethod
     def of(cls, declared: dataclasses.Field[Any]) -> Field:
         spec: _Spec = declared.metadata[_SPEC]
-        secret = not declared.repr
-        return cls(declared.name, spec.parse, spec.help, spec.group, declared.default, secret)
+        return cls(
+            declared.name,
+            spec.parse,
+            spec.help,
+            spec.group,
+            declared.default,
+            secret=not declared.repr,
+        )
 
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+    def read(self, environ: Mapping[str, str] | None = None) -> Any:
+        """This setting from its ``WORKER_*`` variable in ``environ`` (default: ``os.environ``),
+        parsed as ``Settings.load`` parses it, or its default when unset or empty; the other
+        settings are not read. A value that does not parse is a ``ConfigurationError``."""
+        raw = (os.environ if environ is None else environ).get(self.env)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            # (a secret named, never shown: not even in the chained exception; others redacted)
+            raise ConfigurationError(f"{self.env}{self.shown(raw)}: {exc}") from None
 
     @property
     def flag(self) -> str:
@@ -697,6 +808,11 @@ class Field:
 
 FIELDS: tuple[Field, ...] = tuple(Field.of(declared) for declared in dataclasses.fields(Settings))
 """Every setting, in declaration order."""
+
+
+def field(name: str) -> Field:
+    """The setting called ``name``."""
+    return next(spec for spec in FIELDS if spec.name == name)
 
 
 def redact(url: str) -> str:

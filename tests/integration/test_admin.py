@@ -215,7 +215,12 @@ async def test_outbox_list_shows_the_parked_rows(settings: Settings, engine: Asy
     assert row["message_id"] == str(message_id)
     assert row["attempts"] == 1
     assert row["last_error"] == "unroutable: NO_ROUTE"
+    assert row["state"] == "parked"
+    assert row["available_at"] is None
     assert set(row) == {
+        "state",
+        "available_at",
+        "due_in_seconds",
         "id",
         "message_id",
         "exchange",
@@ -261,17 +266,21 @@ async def test_outbox_retry_of_all_rows_sums_them_up_unless_verbose(
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         f"retried by routing key: {ROUTING_KEY}: 5",
-        "5 parked outbox row(s) moved back into the outbox",
+        "0 backing-off outbox row(s) made due now, 5 parked outbox row(s) moved back into the "
+        "outbox",
     ]
 
 
-async def test_outbox_retry_names_ids_that_were_not_parked(
+async def test_outbox_retry_of_an_id_that_matches_nothing_is_an_error(
     settings: Settings, engine: AsyncEngine
 ) -> None:
     result = await worker(settings, "outbox", "retry", "--id", "424242")
 
-    assert result.returncode == 0, result.stderr
-    assert "not parked: 424242" in result.stderr
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        "worker: error: no backing-off or parked outbox row has id 424242 "
+        "(see `worker outbox list`)"
+    ]
     assert "0 parked outbox row(s) moved" in result.stdout
 
 
@@ -280,7 +289,7 @@ async def test_outbox_retry_needs_ids_or_all(settings: Settings) -> None:
     both = await worker(settings, "outbox", "retry", "--id", "1", "--all")
 
     assert neither.returncode == 2
-    assert "one of the arguments --id --all is required" in neither.stderr
+    assert "one of the arguments --id --routing-key --all is required" in neither.stderr
     assert both.returncode == 2
     assert "not allowed with argument" in both.stderr
 
@@ -292,13 +301,13 @@ async def test_retry_all_keeps_the_relative_order_and_puts_a_key_after_its_newer
     second_id, second = await park(engine, settings, ordering_key="acct-1")
     _, newer = await add_outbox_row(engine, settings, ordering_key="acct-1")
 
-    retried = await admin.retry_parked_outbox(settings, None)
+    retried = await admin.retry_outbox(settings)
 
-    assert [(row.parked_id, row.message_id) for row in retried.rows] == [
+    assert [(row.parked_id, row.message_id) for row in retried.moved] == [
         (first_id, first),
         (second_id, second),
     ]
-    assert retried.not_parked == []
+    assert retried.unknown == []
     order = await rows(engine, "SELECT message_id FROM outbox ORDER BY id")
     assert [message_id for (message_id,) in order] == [newer, first, second]
     assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 0
@@ -309,7 +318,7 @@ async def test_a_relay_publishes_a_retried_row_under_its_message_id(
 ) -> None:
     await declare(amqp, settings)
     row_id, message_id = await park(engine, settings)
-    await admin.retry_parked_outbox(settings, [row_id])
+    await admin.retry_outbox(settings, [row_id])
 
     async with running_relay(settings):
 

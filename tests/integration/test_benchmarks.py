@@ -40,3 +40,7 @@ def test_ingress_quick_run_prints_the_ratio_and_the_p99() -> None:
     assert any(line.startswith("baseline ") and "{202:" in line for line in lines), result.stdout
     assert any(line.startswith("ratio ingress/baseline ") for line in lines), result.stdout
     assert any(line.startswith("ingress p99 at 500 req/s ") for line in lines), result.stdout
+    # and the attacks: every probe answered under each (200 idle connections, 40 slow bodies)
+    for attack in ("idle flood", "slow bodies"):
+        [line] = [line for line in lines if line.startswith(attack)]
+        assert " 10/10 " in line, result.stdout

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import aio_pika
 import pytest
@@ -19,11 +19,12 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import WORKER_SCRIPT, broker_depth, rows, run, worker_environ
+from tests.helpers import WORKER_SCRIPT, broker_depth, rows, run, wait_until, worker_environ
 from worker.core.envelope import Delivery
 from worker.ops import dlq
 from worker.settings import Settings
-from worker.transport.dead_letters import DEAD_LETTERED_AT, Failure
+from worker.sql import parkings
+from worker.transport.dead_letters import Failure
 from worker.transport.topology import declare_topology
 
 HANDLER = "dlq.job"
@@ -43,22 +44,45 @@ class Copy:
 async def park(
     amqp: AbstractRobustConnection, engine: AsyncEngine, settings: Settings, *copies: Copy
 ) -> None:
-    """Declare the topology and park each copy, in order, with its key failed in the inbox
-    (persistent, as the worker parks: a broker restart keeps them)."""
+    """Declare the topology and park each copy, in order, as the worker does: its record
+    committed first (dated ``age`` ago), then the copy with its parking id (persistent: a broker
+    restart keeps them), and its key failed in the inbox."""
+    failures = [
+        Failure(
+            Delivery(
+                body=b'{"n": 1}', routing_key=copy.handler, headers={"idempotency-key": copy.key}
+            ),
+            "KeyError: 'account'",
+            "KeyError",
+            copy.handler,
+        )
+        for copy in copies
+    ]
+    records = [
+        failure.parking(copy.reason, failed_key=True)
+        for failure, copy in zip(failures, copies, strict=True)
+    ]
+    async with engine.begin() as conn:
+        await parkings.record_parkings(conn, records)
+        for record, copy in zip(records, copies, strict=True):
+            await conn.execute(
+                text(
+                    "UPDATE dead_letters SET parked_at = now() - make_interval(secs => :age) "
+                    "WHERE parking_id = :id"
+                ),
+                {"age": copy.age.total_seconds(), "id": record.parking_id},
+            )
     async with amqp.channel(publisher_confirms=True) as channel:
         await declare_topology(channel, settings, [HANDLER, OTHER_HANDLER])
         dead_letter_exchange = await channel.get_exchange(settings.dead_letter_exchange)
-        for copy in copies:
-            delivery = Delivery(
-                body=b'{"n": 1}', routing_key=copy.handler, headers={"idempotency-key": copy.key}
-            )
-            failure = Failure(delivery, "KeyError: 'account'", "KeyError", copy.handler)
-            headers = failure.dead_letter_headers(copy.reason)
-            headers[DEAD_LETTERED_AT] = (datetime.now(UTC) - copy.age).isoformat()
+        for failure, record in zip(failures, records, strict=True):
+            headers = failure.dead_letter_headers(record.reason, record.parking_id)
             parked = aio_pika.Message(
-                delivery.body, headers=headers, delivery_mode=aio_pika.DeliveryMode.PERSISTENT
+                failure.delivery.body,
+                headers=headers,
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
             )
-            await dead_letter_exchange.publish(parked, routing_key=copy.handler)
+            await dead_letter_exchange.publish(parked, routing_key=failure.delivery.routing_key)
     async with engine.begin() as conn:
         for copy in copies:
             await conn.execute(
@@ -75,9 +99,11 @@ async def worker(settings: Settings, *argv: str) -> subprocess.CompletedProcess[
     return await asyncio.to_thread(run, WORKER_SCRIPT, "dlq", *argv, **worker_environ(settings))
 
 
-async def parked_keys(amqp: AbstractRobustConnection, settings: Settings) -> list[str | None]:
+async def parked_keys(
+    amqp: AbstractRobustConnection, engine: AsyncEngine, settings: Settings
+) -> list[str | None]:
     """The keys in the DLQ, in queue order (they stay parked)."""
-    return [parked.key for parked in await dlq.list_parked(amqp, settings)]
+    return [parked.key for parked in await dlq.list_parked(amqp, engine, settings)]
 
 
 async def failed_keys(engine: AsyncEngine) -> list[str]:
@@ -123,7 +149,7 @@ async def test_list_shows_a_page_and_leaves_the_queue_as_it_was(
     assert "shows more" not in everything.stdout
     assert keys_in(invalid.stdout) == ["k2", "k4"]
     assert await broker_depth(settings.dead_letter_queue) == 5
-    assert await parked_keys(amqp, settings) == keys
+    assert await parked_keys(amqp, engine, settings) == keys
 
 
 async def test_list_shows_100_by_default(
@@ -155,7 +181,7 @@ async def test_replay_refuses_a_copy_older_than_the_inbox_retention_unless_force
     assert "inbox_retention" in replayed.stdout
     assert "1 message(s) sent back" in replayed.stdout
     assert "1 refused and left parked (--force replays them)" in replayed.stdout
-    assert await parked_keys(amqp, settings) == ["k-old"]
+    assert await parked_keys(amqp, engine, settings) == ["k-old"]
     assert await broker_depth(settings.queue) == 1
     assert await failed_keys(engine) == ["k-old"]
 
@@ -165,16 +191,16 @@ async def test_replay_refuses_a_copy_older_than_the_inbox_retention_unless_force
     # Then the old one goes back too
     assert forced.returncode == 0, forced.stderr
     assert keys_in(forced.stdout, "replayed") == ["k-old"]
-    assert await parked_keys(amqp, settings) == []
+    assert await parked_keys(amqp, engine, settings) == []
     assert await broker_depth(settings.queue) == 2
     assert await failed_keys(engine) == []
 
 
-async def test_a_message_the_broker_dead_lettered_is_aged_by_its_x_death_time(
+async def test_a_message_the_broker_dead_lettered_is_unverified_and_goes_back_only_forced(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
     # Given a message the work queue rejected, which the broker dead-lettered itself, and one
-    # parked with no time at all
+    # put in the DLQ by hand: neither has the worker's record
     await park(amqp, engine, settings)
     async with amqp.channel(publisher_confirms=True) as channel:
         await channel.default_exchange.publish(
@@ -188,13 +214,26 @@ async def test_a_message_the_broker_dead_lettered_is_aged_by_its_x_death_time(
             routing_key=settings.dead_letter_queue,
         )
 
-    # When both are replayed
-    replayed = await dlq.replay(amqp, engine, settings)
+    async def both_parked() -> bool:
+        return await broker_depth(settings.dead_letter_queue) == 2
 
-    # Then the rejected one went back (parked just now) and the one of unknown age did not
-    assert [(parked.key, parked.reason) for parked in replayed] == [("k-rejected", "broker")]
-    assert await parked_keys(amqp, settings) == ["k-timeless"]
-    assert await broker_depth(settings.queue) == 1
+    await wait_until(both_parked)
+
+    # When both are replayed without --force, then with it
+    refused = await dlq.replay(amqp, engine, settings)
+    listed = await dlq.list_parked(amqp, engine, settings)
+    forced = await dlq.replay(amqp, engine, settings, force=True)
+
+    # Then they are unverified, stay parked until forced, and then both go back
+    assert refused == []
+    # (in either order: the broker dead-letters the rejected one on its own time)
+    assert sorted((p.key, p.reason, p.claims.get("broker_reason")) for p in listed) == [
+        ("k-rejected", "unverified", "rejected"),
+        ("k-timeless", "unverified", None),
+    ]
+    assert sorted(parked.key for parked in forced) == ["k-rejected", "k-timeless"]
+    assert await parked_keys(amqp, engine, settings) == []
+    assert await broker_depth(settings.queue) == 2
 
 
 async def test_a_dry_run_changes_nothing(
@@ -213,7 +252,7 @@ async def test_a_dry_run_changes_nothing(
     assert purge.returncode == 0, purge.stderr
     assert keys_in(purge.stdout, "would purge") == ["k1", "k2", "k3"]
     assert "dry run: 3 message(s) would be purged" in purge.stdout
-    assert await parked_keys(amqp, settings) == ["k1", "k2", "k3"]
+    assert await parked_keys(amqp, engine, settings) == ["k1", "k2", "k3"]
     assert await broker_depth(settings.dead_letter_queue) == 3
     assert await broker_depth(settings.queue) == 0
     assert await failed_keys(engine) == ["k1", "k2", "k3"]
@@ -265,7 +304,7 @@ async def test_replay_filters_select_exactly(
     assert replayed.returncode == 0, replayed.stderr
     assert keys_in(replayed.stdout, "replayed") == ["k1", "k4"]
     assert keys_in(by_key.stdout, "replayed") == ["k3"]
-    assert await parked_keys(amqp, settings) == ["k2", "k5"]
+    assert await parked_keys(amqp, engine, settings) == ["k2", "k5"]
     assert await failed_keys(engine) == ["k2", "k5"]
     assert await broker_depth(settings.queue) == 3
 
@@ -289,7 +328,7 @@ async def test_purge_deletes_exactly_the_matching_messages_and_keeps_the_order(
     assert purged.returncode == 0, purged.stderr
     assert keys_in(purged.stdout, "purged") == ["k1", "k3"]
     assert "2 message(s) purged from" in purged.stdout
-    assert await parked_keys(amqp, settings) == ["k2", "k4", "k5"]
+    assert await parked_keys(amqp, engine, settings) == ["k2", "k4", "k5"]
     assert await broker_depth(settings.dead_letter_queue) == 3
     assert await broker_depth(settings.queue) == 0
     # the inbox is not the DLQ's to change: the keys stay failed
@@ -309,7 +348,7 @@ async def test_purge_needs_a_filter_or_all(
 
     assert refused.returncode == 2
     assert "dlq purge needs --key, --reason, --handler or --all" in refused.stderr
-    assert await parked_keys(amqp, settings) == ["k1"]
+    assert await parked_keys(amqp, engine, settings) == ["k1"]
 
 
 async def test_bulk_actions_leave_messages_parked_after_they_began(
@@ -324,7 +363,7 @@ async def test_bulk_actions_leave_messages_parked_after_they_began(
 
     assert keys_in(replayed.stdout, "replayed") == ["k-now"]
     assert keys_in(purged.stdout, "purged") == []
-    assert await parked_keys(amqp, settings) == ["k-later"]
+    assert await parked_keys(amqp, engine, settings) == ["k-later"]
 
 
 @pytest.mark.parametrize(

@@ -230,13 +230,13 @@ async def test_dlq_list_shows_the_parked_messages_and_replay_runs_each_once(
         await park_one_by_one(channel, settings, worker, ["k-a", "k-b"])
 
         # When the operator lists them
-        listed = await dlq.list_parked(amqp, settings)
+        listed = await dlq.list_parked(amqp, engine, settings)
         assert sorted((p.key, p.reason, p.handler, p.attempts) for p in listed) == [
             ("k-a", "handler-error", ROUTING_KEY, 1),
             ("k-b", "handler-error", ROUTING_KEY, 1),
         ]
         assert all("KeyError" in p.error for p in listed)
-        assert len(await dlq.list_parked(amqp, settings)) == 2  # listing left them parked
+        assert len(await dlq.list_parked(amqp, engine, settings)) == 2  # listing left them parked
 
         # and, the bug fixed, replays one of them by key
         replayed = await dlq.replay(amqp, engine, settings, key="k-b")
@@ -408,7 +408,7 @@ async def test_worker_dlq_list_and_replay_from_the_command_line(
 
     assert (await inbox(engine, "k-cli-2")).status == "completed"
     assert (await inbox(engine, "k-cli-1")).status == "failed"
-    assert [p.key for p in await dlq.list_parked(amqp, settings)] == ["k-cli-1"]
+    assert [p.key for p in await dlq.list_parked(amqp, engine, settings)] == ["k-cli-1"]
 
 
 async def test_failed_keys_are_recorded_in_one_statement_never_over_a_completed_effect(

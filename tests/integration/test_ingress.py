@@ -25,9 +25,11 @@ from examples.payments import router as payments
 from tests.helpers import rows, scalar, wait_until
 from tests.integration.support import ROOT, running_worker, worker_environ
 from worker.core.codec import fingerprint
+from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.ingress import ingress_router
 from worker.ingress.problems import PROBLEM_JSON, TYPE_PREFIX
+from worker.ingress.reading import MAX_CLIENT_KEY_LENGTH
 from worker.ingress.serve import serve, serve_app
 from worker.ops.janitor import sweep
 from worker.settings import Settings
@@ -46,12 +48,15 @@ def keyed(key: str, **headers: str) -> dict[str, str]:
 
 
 @contextlib.asynccontextmanager
-async def ingress(settings: Settings, **changes: Any) -> AsyncIterator[httpx.AsyncClient]:
-    """``worker serve``'s ingress for the payments example on a free port, and a client of it."""
+async def ingress(
+    settings: Settings, router: Router = payments, **changes: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """``worker serve``'s ingress for ``router`` (the payments example) on a free port, and a
+    client of it."""
     stop = asyncio.Event()
     port: asyncio.Future[int] = asyncio.get_running_loop().create_future()
     served = settings.replace(ingress_host="127.0.0.1", ingress_port=0, **changes)
-    task = asyncio.create_task(serve(served, payments, stop, started=port.set_result))
+    task = asyncio.create_task(serve(served, router, stop, started=port.set_result))
     try:
         await asyncio.wait({port, task}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
@@ -65,6 +70,11 @@ async def ingress(settings: Settings, **changes: Any) -> AsyncIterator[httpx.Asy
 
 async def count(engine: AsyncEngine, table: str) -> int:
     return int(await scalar(engine, f"SELECT count(*) FROM {table}"))
+
+
+async def handled(engine: AsyncEngine, handler: str) -> int:
+    """Inbox rows of ``handler``."""
+    return int(await scalar(engine, "SELECT count(*) FROM inbox WHERE handler = :h", h=handler))
 
 
 async def nothing_stored(engine: AsyncEngine) -> bool:
@@ -101,16 +111,26 @@ async def test_accepted_once_and_the_same_answer_for_a_retry_in_other_spacing(
     assert again.headers["idempotent-replayed"] == "true"
     # And one request row and one event were written, keyed by the client's key
     requests = await rows(
-        engine, "SELECT handler, key, routing_key, fingerprint FROM ingress_requests"
+        engine,
+        "SELECT handler, client, key, handler_key, routing_key, fingerprint FROM ingress_requests",
     )
     assert [tuple(r) for r in requests] == [
-        ("payment.requested", "p1", "payment.requested", fingerprint(payment("p1")))
+        (
+            "payment.requested",
+            "anonymous",
+            "p1",
+            "http:anonymous:p1",
+            "payment.requested",
+            fingerprint(payment("p1")),
+        )
     ]
     events = await rows(engine, "SELECT message_id, exchange, routing_key, headers FROM outbox")
     assert len(events) == 1
     assert str(events[0].message_id) == first.json()["message_id"]
     assert (events[0].exchange, events[0].routing_key) == (settings.exchange, "payment.requested")
-    assert events[0].headers["idempotency-key"] == "p1"
+    # (the handler runs under the key in the ingress's own key space)
+    assert events[0].headers["idempotency-key"] == first.json()["handler_key"]
+    assert first.json()["handler_key"] == "http:anonymous:p1"
 
 
 async def test_a_key_reused_with_another_body_is_422_and_appends_nothing(
@@ -133,7 +153,7 @@ async def test_a_key_reused_with_another_body_is_422_and_appends_nothing(
     [
         (JSON, "missing-key"),
         (keyed(""), "missing-key"),
-        (keyed("k" * 513), "invalid-key"),
+        (keyed("k" * (MAX_CLIENT_KEY_LENGTH + 1)), "invalid-key"),
         ({**JSON, "Idempotency-Key": "\xe9t\xe9".encode("latin-1")}, "invalid-key"),
     ],
     ids=["missing", "empty", "too-long", "not-utf8"],
@@ -325,16 +345,18 @@ async def test_get_is_404_then_pending_then_completed_with_the_handlers_result(
         async with running_worker(settings, payments):
 
             async def completed() -> bool:
-                return bool(await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'p1'"))
+                return await handled(engine, "payment.requested") == 1
 
             await wait_until(completed)
         done = await client.get(accepted.headers["location"])
 
     assert is_problem(unknown, 404, "unknown-message"), unknown.text
-    assert pending.json() == {"status": "pending", "result": None, "error": None}
+    assert pending.json() == {"status": "pending", "result": None, "error": None, "reason": None}
     result = {**body, "balance_cents": 250}
-    assert done.json() == {"status": "completed", "result": result, "error": None}
-    assert await scalar(engine, "SELECT result FROM inbox WHERE key = 'p1'") == result
+    assert done.json() == {"status": "completed", "result": result, "error": None, "reason": None}
+    assert await scalar(engine, "SELECT result FROM inbox WHERE handler = 'payment.requested'") == (
+        result
+    )
 
 
 async def test_get_shows_a_failed_handlers_error(settings: Settings, engine: AsyncEngine) -> None:
@@ -352,7 +374,9 @@ async def test_get_shows_a_failed_handlers_error(settings: Settings, engine: Asy
         completed = await client.get(first.headers["location"])
     assert completed.json()["status"] == "completed"
     assert failed.json()["status"] == "failed"
-    assert "DuplicatePayment" in failed.json()["error"]
+    assert failed.json()["reason"] == "handler-error"
+    assert failed.json()["error"].startswith("DuplicatePayment: ")
+    assert "payment p1" not in failed.json()["error"]  # (the stored text stays in the log)
     assert failed.json()["result"] is None
 
 
@@ -361,7 +385,7 @@ async def test_a_post_whose_transaction_rolls_back_leaves_no_row_and_no_event(
 ) -> None:
     async with ingress(settings) as client:
         # Given a trigger that fails the event's insert, after the request row's
-        await _refuse_events_of("doomed", engine)
+        await _refuse_events_of("http:anonymous:doomed", engine)
         try:
             failed = await client.post(REQUESTED, json=payment("p1"), headers=keyed("doomed"))
             stored_nothing = await nothing_stored(engine)
@@ -470,7 +494,14 @@ async def test_openapi_documents_each_routing_keys_body_from_its_handlers_model(
     assert schema["properties"]["amount_cents"]["exclusiveMinimum"] == 0
     assert any(p["name"] == "Idempotency-Key" and p["required"] for p in post["parameters"])
     assert {"202", "400", "404", "413", "422"} <= set(post["responses"])
-    assert "get" in document["paths"]["/messages/payment.settled/{key}"]
+    get = document["paths"][f"{REQUESTED}/{{key}}"]["get"]
+    assert [(p["name"], p["in"], p["required"]) for p in get["parameters"]] == [
+        ("key", "path", True)
+    ]
+    for operation in (post, get):
+        for status, response in operation["responses"].items():
+            if status.startswith(("4", "5")):
+                assert set(response["content"]) == {PROBLEM_JSON}, (status, response)
 
 
 async def test_the_router_mounts_under_a_prefix_of_the_users_own_app(
@@ -522,14 +553,8 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     log = tmp_path / "serve.log"
     process = start_serve(settings, log)
     try:
-
-        async def listening() -> bool:
-            return "serving the ingress" in log.read_text()
-
-        await wait_until(listening, timeout=30)
-        port = re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())
-        assert port is not None, log.read_text()
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port[1]}") as client:
+        port = await served_port(log)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
             accepted = await client.post(REQUESTED, json=payment("p1"), headers=keyed("p1"))
         process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(process.wait, 30)
@@ -542,10 +567,27 @@ async def test_worker_serve_answers_and_exits_0_on_sigterm(
     assert "the ingress stopped" in log.read_text()
 
 
-def start_serve(settings: Settings, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m worker serve --port 0`` for the payments example, its output in ``log``."""
+async def served_port(log: Path) -> int:
+    """The port a ``start_serve`` process listens on, once its log says it serves."""
+
+    def text() -> str:
+        return log.read_text()
+
+    async def listening() -> bool:
+        return "serving the ingress" in text()
+
+    await wait_until(listening, timeout=30)
+    port = re.search(r"http://127\.0\.0\.1:(\d+)", text())
+    assert port is not None, text()
+    return int(port[1])
+
+
+def start_serve(settings: Settings, log: Path, **environ: str) -> subprocess.Popen[bytes]:
+    """``python -m worker serve --port 0`` for the payments example, its output in ``log``;
+    ``environ`` added to its environment."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
     env.update(worker_environ(settings), PYTHONPATH=str(ROOT), WORKER_HANDLERS="examples.payments")
+    env.update(environ)
     with log.open("wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "worker", "serve", "--port", "0"],

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import uuid
 from collections.abc import AsyncIterator
 
@@ -410,7 +411,7 @@ async def closed_by_server(reader: asyncio.StreamReader) -> bool:
         return True
 
 
-async def test_connections_beyond_the_cap_are_closed_unread_and_counted(
+async def test_a_new_connection_at_the_cap_closes_the_oldest_idle_one_and_probes_get_through(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     metrics, health = Metrics(), Health()
@@ -421,27 +422,69 @@ async def test_connections_beyond_the_cap_are_closed_unread_and_counted(
         # Given as many idle connections as the cap allows
         idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
 
-        # When more connect
+        # When more connect, and sit idle too
         extra = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(5)]
 
-        # Then each of them is closed at once, before it sent anything, and counted
-        assert all([await closed_by_server(reader) for reader, _ in extra])
+        # Then the oldest idle ones are closed, unread, to make room, and counted
+        oldest = idle + extra[:2]
+        assert all([await closed_by_server(reader) for reader, _ in oldest])
         assert sample(metrics, "worker_http_connections_refused_total") == 5
-        for _, writer in extra:
-            writer.close()
-        # and once the idle ones go, a new client is served
-        for _, writer in idle:
-            writer.close()
 
-        async def answered() -> bool:
-            with contextlib.suppress(ConnectionError):
-                return (await request(server.port or 0, "/healthz")).status == 503
-            return False
-
-        await wait_until(answered)
-    # one warning for the five refusals, no traceback
+        # And a probe made while the cap is full of idle clients is answered, every time
+        for _ in range(5):
+            assert (await request(server.port, "/livez")).status == 200
+        for _, writer in idle + extra:
+            writer.close()
+    # one warning for the closings, no traceback
     assert [r.levelname for r in caplog.records if r.levelno >= logging.WARNING] == ["WARNING"]
     assert not [r for r in caplog.records if r.exc_info]
+
+
+async def test_idle_clients_reconnecting_beyond_the_cap_never_fail_a_probe() -> None:
+    server = HttpServer(Metrics(), Health(), max_connections=8, timeout=HANG_GUARD * 3)
+    await server.start("127.0.0.1", 0)
+    assert server.port
+    port = server.port
+    stop = asyncio.Event()
+
+    async def idle_client() -> None:
+        # connects, sends nothing, and reconnects as soon as it is closed
+        while not stop.is_set():
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                with contextlib.suppress(ConnectionError):
+                    await reader.read()
+            finally:
+                writer.close()
+
+    async with server:
+        # Given ten times the cap of clients that reconnect and sit idle
+        clients = [asyncio.create_task(idle_client()) for _ in range(80)]
+        try:
+            await asyncio.sleep(0.5)
+            # When the liveness and readiness probes ask meanwhile, from outside the server's
+            # event loop as the kubelet does
+            answers = [
+                await asyncio.to_thread(probe, port, path) for path in ["/livez", "/readyz"] * 12
+            ]
+        finally:
+            stop.set()
+            for client in clients:
+                client.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+
+    # Then every probe was answered (Health()'s own verdicts: alive, not ready)
+    assert answers == [200, 503] * 12
+
+
+def probe(port: int, path: str) -> int | None:
+    """The status of a GET of ``path``, made with a blocking socket; None without an answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=HANG_GUARD) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: probe\r\n\r\n".encode())
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return int(answer.split()[1]) if answer else None
 
 
 async def test_an_idle_connection_is_dropped_after_the_timeout() -> None:

@@ -42,6 +42,7 @@ def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
         "outbox_parked",
         "workflow_steps",
         "ingress_requests",
+        "dead_letters",
         "accounts",
         "ledger_entries",
         "settlement_notices",
@@ -69,5 +70,6 @@ def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
         "outbox_parked",
         "workflow_steps",
         "ingress_requests",
+        "dead_letters",
         "alembic_version",
     }

@@ -150,12 +150,13 @@ async def test_dlq_list_prints_a_parked_messages_headers_as_text(
     # When it is listed
     listed = await worker(settings, "dlq", "list")
 
-    # Then it is one line, its headers shown as text
+    # Then it is one line, its headers shown as text (as the claims of a copy the worker has
+    # no record of parking)
     assert listed.returncode == 0, listed.stderr
     assert_unforged(listed.stdout)
     (line,) = [line for line in listed.stdout.splitlines() if line.startswith("key=")]
-    assert f"reason={printable(HOSTILE)} " in line
-    assert f"handler={printable(HOSTILE)} " in line
+    assert " reason=unverified " in line
+    assert f"claims: reason={printable(repr(HOSTILE))} handler={printable(repr(HOSTILE))}" in line
 
 
 async def test_workflows_status_verify_and_outbox_list_print_rows_as_text(

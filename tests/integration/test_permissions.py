@@ -44,7 +44,8 @@ from worker.transport.connection import connect
 from worker.transport.topology import declare_topology, queue_names
 
 DEFINITIONS = Path(__file__).resolve().parents[2] / "deploy" / "rabbitmq" / "definitions.json"
-JOB, DONE = "perm.job", "perm.done"
+JOB, DONE = "payment.requested", "perm.done"
+"""(JOB: a routing key the producer's topic permission lets it write; DONE: the worker's own)"""
 
 needs_rabbitmqctl = pytest.mark.skipif(
     shutil.which("rabbitmqctl") is None, reason="needs rabbitmqctl"
@@ -94,13 +95,22 @@ def test_the_worker_may_use_every_name_it_declares_and_a_producer_only_events() 
     assert not matches(producer.read, defaults.queue)
 
 
-def test_the_demo_passwords_are_the_user_names() -> None:
-    """The compose file's URLs log in with these (RabbitMQ's salted SHA-256 scheme)."""
+def test_no_user_of_the_definitions_has_a_password_that_works_as_it_is() -> None:
+    """An empty hash: no password logs in until one is set (``deploy/rabbitmq/set-passwords``,
+    or ``rabbitmqctl change_password``)."""
     for user in definitions()["users"]:
         assert user["hashing_algorithm"] == "rabbit_password_hashing_sha256"
-        raw = base64.b64decode(user["password_hash"])
-        salt, digest = raw[:4], raw[4:]
-        assert hashlib.sha256(salt + user["name"].encode()).digest() == digest, user["name"]
+        assert user["password_hash"] == "", user["name"]
+
+
+def test_the_producer_may_write_only_the_routing_keys_clients_send() -> None:
+    """Topic permissions on ``events``: the payments example's producer sends requests, never
+    the worker's own events."""
+    (topic,) = definitions()["topic_permissions"]
+    assert (topic["user"], topic["exchange"]) == ("producer", Settings().exchange)
+    assert matches(topic["write"], "payment.requested")
+    for forbidden in ("payment.settled", "payment.requested.x", "xpayment.requested", "#"):
+        assert not matches(topic["write"], forbidden), forbidden
 
 
 def test_the_events_exchange_is_defined_as_the_worker_declares_it() -> None:
@@ -161,6 +171,11 @@ class Users:
                 for entry in found["permissions"]
                 if entry["user"] in self.names
             ],
+            "topic_permissions": [
+                {**entry, "user": self.names[entry["user"]], "vhost": self.vhost}
+                for entry in found["topic_permissions"]
+                if entry["user"] in self.names
+            ],
             "exchanges": [{**entry, "vhost": self.vhost} for entry in found["exchanges"]],
         }
         await rabbitmqctl("import_definitions", "--format", "json", stdin=json.dumps(renamed))
@@ -213,7 +228,9 @@ async def test_a_producer_may_publish_to_the_events_exchange_and_nowhere_else(
         await events.publish(message, routing_key=JOB)
         assert await broker_depth_in(users, queue) == 1
 
-        # and everything else is refused
+        # and everything else is refused: another routing key (the worker's own event) too
+        events = await (await on_new_channel(producer)).get_exchange("events")
+        assert await refused(events.publish(message, routing_key="payment.settled"))
         default = (await on_new_channel(producer)).default_exchange
         assert await refused(default.publish(message, routing_key=queue))
         forged = await (await on_new_channel(producer)).get_exchange(dlx, ensure=False)
@@ -243,7 +260,7 @@ async def broker_depth_in(users: Users, queue: str) -> int:
 
 
 def failing_router(done: list[str]) -> Router:
-    """``perm.job``: a retry first, then a permanent failure for ``k-fail`` and an event for
+    """``JOB``: a retry first, then a permanent failure for ``k-fail`` and an event for
     the rest; ``perm.done`` records the events that came back."""
     router = Router()
 
@@ -300,14 +317,17 @@ async def test_the_worker_runs_its_failure_path_with_the_worker_users_rights(
     assert await broker_depth_in(users, settings.queue) == 0
 
 
+SET_PASSWORDS = DEFINITIONS.parent / "set-passwords"
+
 RABBITMQ_SERVER = Path("/usr/lib/rabbitmq/bin/rabbitmq-server")
 """The server script itself (``/usr/sbin``'s wrapper would run it as another user)."""
 
 
 @contextlib.contextmanager
-def node_from_deploy(home: Path) -> Iterator[int]:
+def node_from_deploy(home: Path) -> Iterator[tuple[int, list[str]]]:
     """A RabbitMQ node of its own, configured by ``deploy/rabbitmq`` as compose configures its
-    broker, on a free port (yielded); stopped afterwards."""
+    broker, on a free port; yields the port and the ``rabbitmqctl`` command that reaches it;
+    stopped afterwards."""
     config = (DEFINITIONS.parent / "rabbitmq.conf").read_text()
     config = config.replace("/etc/rabbitmq/definitions.json", str(DEFINITIONS))
     port, node = free_port(), f"worker-deploy-{uuid.uuid4().hex[:8]}@localhost"
@@ -332,7 +352,7 @@ def node_from_deploy(home: Path) -> Iterator[int]:
     subprocess.run([str(RABBITMQ_SERVER), "-detached"], env=env, check=True, timeout=60)
     try:
         _await_startup(control)
-        yield port
+        yield port, control
     finally:
         subprocess.run([*control, "stop"], check=False, capture_output=True, timeout=60)
 
@@ -355,19 +375,38 @@ def _await_startup(control: list[str], attempts: int = 120) -> None:
 async def test_a_broker_started_from_deploy_has_the_users_and_the_size_limit(
     tmp_path: Path,
 ) -> None:
-    with node_from_deploy(tmp_path) as port:
-        url = f"amqp://{{0}}:{{0}}@127.0.0.1:{port}/"
+    with node_from_deploy(tmp_path) as (port, control):
+        url = f"amqp://{{0}}:{{1}}@127.0.0.1:{port}/"
 
-        # The guest user does not exist; the others log in with the demo passwords
+        # The guest user does not exist, and no other logs in before it is given a password
         with pytest.raises(ProbableAuthenticationError):
-            await connect(url.format("guest"))
-        admin = await aio_pika.connect(url.format("admin"))
-        worker = await aio_pika.connect(url.format("worker"))
-        producer = await aio_pika.connect(url.format("producer"))
+            await connect(url.format("guest", "guest"))
+        for user in ("admin", "worker", "producer"):
+            for guess in (user, ""):
+                with pytest.raises(ProbableAuthenticationError):
+                    await connect(url.format(user, guess))
+
+        # Once set-passwords (compose's health check) has run, each logs in with its own
+        passwords = {user: f"{user}-{uuid.uuid4().hex}" for user in ("admin", "worker", "producer")}
+        given = " ".join(f"{user}:{password}" for user, password in passwords.items())
+        environ = {
+            **os.environ,
+            "BROKER_PASSWORDS": given,
+            "BROKER_PASSWORDS_MARKER": str(tmp_path / "passwords-set"),
+            "RABBITMQCTL": " ".join(c for c in control if c != "-q"),
+        }
+        await asyncio.to_thread(
+            subprocess.run, [str(SET_PASSWORDS)], env=environ, check=True, timeout=120
+        )
+        admin = await aio_pika.connect(url.format("admin", passwords["admin"]))
+        worker = await aio_pika.connect(url.format("worker", passwords["worker"]))
+        producer = await aio_pika.connect(url.format("producer", passwords["producer"]))
         async with admin, worker, producer:
             # the events exchange exists before any worker declared it
             events = await (await on_new_channel(producer)).get_exchange("events")
             await events.publish(aio_pika.Message(b"{}"), routing_key=JOB)
+            settled = await (await on_new_channel(producer)).get_exchange("events")
+            assert await refused(settled.publish(aio_pika.Message(b"{}"), "payment.settled"))
             assert await refused(
                 (await on_new_channel(producer)).default_exchange.publish(
                     aio_pika.Message(b"{}"), routing_key="worker"

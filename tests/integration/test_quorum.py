@@ -102,7 +102,7 @@ async def test_the_delivery_limit_parks_a_message_whose_worker_keeps_dying(
             queue = await dying.get_queue(settings.queue)
             assert await queue.get(no_ack=False, timeout=10) is not None  # (never settled)
 
-    # Then the broker parks it in the dead-letter queue, and `worker dlq list` names why
+    # Then the broker parks it in the dead-letter queue, and `worker dlq list` shows why
     async def parked() -> bool:
         async with amqp.channel() as channel:
             return await ready_messages(channel, settings.dead_letter_queue) == 1
@@ -111,7 +111,9 @@ async def test_the_delivery_limit_parks_a_message_whose_worker_keeps_dying(
     listed = await cli(settings, "dlq", "list")
     assert listed.returncode == 0, listed.stderr
     assert "key=k-crash" in listed.stdout
-    assert "reason=delivery-limit" in listed.stdout
+    # (the worker did not park it: no record of its own vouches for the broker's reason)
+    assert "reason=unverified" in listed.stdout
+    assert "broker_reason='delivery-limit'" in listed.stdout
 
 
 async def test_pauses_for_a_deployment_fault_never_count_toward_the_delivery_limit(

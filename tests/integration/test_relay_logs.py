@@ -49,6 +49,7 @@ async def test_unroutable_events_are_summed_up_per_routing_key(
     assert len(warnings) == 2, warnings
     assert "'nobody.listens'" in warnings[0]
     assert "bind a queue" in warnings[0]
+    assert "`worker outbox list --routing-key nobody.listens` shows the events" in warnings[0]
     assert warnings[1].startswith(f"{3 * EVENTS - 1} more events for routing key 'nobody.listens'")
     assert f"{EVENTS} of them parked in outbox_parked" in warnings[1]
 

@@ -15,7 +15,7 @@ from worker.ops import cli
 from worker.ops.cli import EVERY_COMMAND, READS, _load_settings, build_parser
 from worker.settings import FIELDS, Field, Group, Settings
 
-NEEDS = {"outbox retry": ["--all"]}
+NEEDS = {"outbox retry": ["--all"], "dlq show": ["sha256:0"]}
 """Arguments a command cannot be parsed without."""
 
 DEPLOYMENT = {

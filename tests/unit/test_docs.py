@@ -109,6 +109,35 @@ def test_the_getting_started_page_includes_every_file_of_the_tested_package() ->
     assert not files - included, f"files of the package the page leaves out: {files - included}"
 
 
+def test_each_included_file_is_linked_beside_its_block(site: Path) -> None:
+    """Read where MkDocs does not run (a code host, an editor), a block shows only its
+    ``--8<--`` line: the file it includes is linked just above it, and the link works on the
+    site too (the package's files are copied into it)."""
+    source = (DOCS / "getting-started.md").read_text()
+    blocks = re.findall(
+        r'^(.*)\n\n```\w+ title="([^"]+)"\n--8<-- "([^"]+)"$', source, flags=re.MULTILINE
+    )
+    assert len(blocks) == source.count("\n--8<-- "), "an include outside a titled block"
+    for before, title, included in blocks:
+        assert title == included
+        assert before == f"[`{included}`](getting-started/inventory/{included}):"
+        assert (INVENTORY / included).is_file()
+        assert (site / "getting-started" / "inventory" / included).is_file()
+
+
+def test_the_publishing_pages_code_is_the_tested_examples() -> None:
+    """``docs/publishing.md`` shows its code inline, readable anywhere; each block titled with a
+    file is a verbatim excerpt of that file, which the integration tests run."""
+    source = (DOCS / "publishing.md").read_text()
+    blocks = re.findall(r'^```python title="([^"]+)"\n(.*?)^```$', source, re.M | re.S)
+    assert {title for title, _ in blocks} == {
+        "examples/producers/publish_amqp.py",
+        "examples/producers/publish_outbox.py",
+    }
+    for title, code in blocks:
+        assert code in (ROOT / title).read_text(), f"{title} no longer holds the page's code"
+
+
 def test_nothing_is_fetched_from_the_internet(site: Path) -> None:
     """No web fonts or scripts from elsewhere: the site reads offline, as it builds."""
     for path in site.rglob("*.html"):

@@ -32,6 +32,8 @@ def test_a_routes_failures_are_one_line_at_once_then_one_per_interval(
             failures.flush()
         assert len(caplog.records) == 1
         assert "bind a queue" in caplog.records[0].getMessage()
+        assert "`worker outbox list --routing-key a` shows" in caplog.records[0].getMessage()
+        assert "`worker outbox retry --routing-key a` publishes" in caplog.records[0].getMessage()
 
         # Then once the interval has passed, one line sums up the rest
         clock.now = 61.0
@@ -62,3 +64,13 @@ def test_routes_are_summed_up_apart_and_a_forced_flush_logs_what_is_left(
         clock.now = 120.0
         failures.flush()
     assert len(caplog.records) == 1
+
+
+def test_the_unroutable_warning_names_a_command_a_shell_can_run_as_it_is(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    failures = FailedEvents(logging.getLogger("test.relay"), clock=Clock())
+    with caplog.at_level(logging.WARNING, "test.relay"):
+        failures.record(("events", "stock changed;x"), UNROUTABLE, parked=False)
+    message = caplog.records[0].getMessage()
+    assert "`worker outbox list --routing-key 'stock changed;x'` shows the events" in message

@@ -147,8 +147,12 @@ def environment(container: dict[str, Any]) -> dict[str, str]:
 
 
 def settings_of(container: dict[str, Any]) -> Settings:
-    """The settings the container's process runs with."""
-    return Settings.load(environment(container))
+    """The settings the container's process runs with, once the example Secret's token
+    placeholder (which fails validation on purpose) is replaced by a token."""
+    env = environment(container)
+    if "WORKER_INGRESS_TOKENS" in env:
+        env["WORKER_INGRESS_TOKENS"] = "client:" + "t" * 32
+    return Settings.load(env)
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -552,3 +556,46 @@ def test_the_example_secret_cannot_be_used_as_it_is() -> None:
         assert "openssl rand" in str(refused.value)
         if name == "WORKER_INGRESS_TOKENS":
             assert value not in str(refused.value)
+
+
+def test_network_policies_let_in_only_the_ports_each_pod_serves() -> None:
+    templates = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in (*of_kind("Deployment"), *of_kind("Job"))
+    }
+    policies = of_kind("NetworkPolicy")
+    allowed: dict[str, set[int]] = {name: set() for name in templates}
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for name, labels in templates.items():
+            if selects_pod(spec["podSelector"], labels):
+                for rule in spec.get("ingress", []):
+                    assert rule["from"], "a rule with no sources would let everyone in"
+                    allowed[name] |= {port["port"] for port in rule["ports"]}
+    # every pod of the worker is under some policy (one with no rule denies everything else)
+    for name, labels in templates.items():
+        assert any(selects_pod(p["spec"]["podSelector"], labels) for p in policies), name
+    ports = {name: set(container_ports(name)) for name in templates}
+    assert allowed == {
+        "worker": ports["worker"],
+        "worker-relay": ports["worker-relay"],
+        "worker-ingress": ports["worker-ingress"],
+        "worker-migrate": set(),
+    }
+    assert ports["worker"] == {9180}
+    assert ports["worker-ingress"] == {8000}
+
+
+def selects_pod(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels and In expressions) selects pods with ``labels``."""
+    expressions = selector.get("matchExpressions", [])
+    assert all(e["operator"] == "In" for e in expressions)
+    return selects(selector.get("matchLabels", {}), labels) and all(
+        labels.get(e["key"]) in e["values"] for e in expressions
+    )
+
+
+def container_ports(workload: str) -> list[int]:
+    [spec] = [spec for name, spec in pod_specs() if name == workload]
+    return [port["containerPort"] for c in spec["containers"] for port in c.get("ports", [])]

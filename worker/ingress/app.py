@@ -3,7 +3,9 @@
 Invariant: the application serves only a database whose schema is at the code's head (its
 startup refuses another), and disposes of the engine it created, never of one it was given.
 ``/healthz`` asks no token and answers from a probe at most ``HEALTH_TTL`` old, so however often
-it is asked, it holds at most one database connection at a time.
+it is asked, it holds at most one database connection at a time. Every request passes the edge
+first (``worker.ingress.edge``: Host check, requests in flight, the body read within its deadline,
+the access log).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from starlette.responses import JSONResponse
 
 from worker import database, schema
 from worker.core.router import Router
+from worker.ingress.edge import Edge
 from worker.ingress.routes import ingress_router
 from worker.ops.plugins import load_routers
 from worker.settings import Settings
@@ -38,7 +41,7 @@ def create_app(
 ) -> FastAPI:
     """The ingress: ``POST``/``GET`` ``/messages/...`` for every routing key of ``router``
     (default: the handler modules of ``settings.handlers`` and the installed entry points),
-    OpenAPI at ``/docs``, and ``/healthz``.
+    OpenAPI at ``/docs``, and ``/healthz``, behind ``worker.ingress.edge.Edge``.
 
     Without ``engine``, the application makes one (``ingress_pool_size`` connections) and
     disposes of it at shutdown; an ``engine`` given stays the caller's. ``settings`` default to
@@ -73,6 +76,7 @@ def create_app(
         redoc_url=None,
     )
     app.include_router(ingress_router(settings, engine=engine, router=router))
+    app.add_middleware(Edge, settings=settings)
     health = DatabaseHealth(engine)
 
     @app.get("/healthz", include_in_schema=False)

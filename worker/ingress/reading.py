@@ -6,20 +6,55 @@ Invariant: every header and byte is hostile until checked, and a body is never r
 sent without one (chunked) as soon as it passes the limit. The Idempotency-Key is taken as the
 bytes the client sent (decoded as UTF-8 by the consumer's key check, not as Latin-1 by the HTTP
 layer), and a request carrying two of them is refused rather than one picked.
+
+The delivery carries what the event will: the key in the ingress's own key space
+(``handler_key``: ``http:<client>:<key>``, so that no HTTP client can take, park or read a key
+sent over AMQP, nor another client's), and the body as its canonical JSON (``canonical_body``:
+the one value the handler validated, whatever duplicate names, spacing or escapes the client sent).
 """
 
 from __future__ import annotations
 
 from starlette.requests import Request
 
-from worker.core.codec import is_json_content_type
-from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Delivery, idempotency_key
+from worker.core.codec import JSON_CONTENT_TYPE, canonical_json, decode_json, is_json_content_type
+from worker.core.envelope import (
+    IDEMPOTENCY_KEY_HEADER,
+    MAX_KEY_LENGTH,
+    Delivery,
+    check_key,
+    idempotency_key,
+)
 from worker.errors import BodyTooLarge, InvalidKey, MissingKey
 from worker.ingress.problems import unsupported_media_type
+from worker.settings import MAX_CLIENT_NAME_LENGTH
 
 _KEY_HEADER = IDEMPOTENCY_KEY_HEADER.encode("latin-1")
 _LONGEST_LENGTH = len(str(2**63))
 """Digits of a Content-Length that could still be a size (longer: too large in any case)."""
+
+HTTP_KEY_PREFIX = "http:"
+"""Opens every key the ingress hands a handler (``handler_key``)."""
+
+MAX_CLIENT_KEY_LENGTH = MAX_KEY_LENGTH - len(HTTP_KEY_PREFIX) - MAX_CLIENT_NAME_LENGTH - 1
+"""The longest Idempotency-Key a client may send: its ``handler_key`` must be a key the inbox
+takes (``MAX_KEY_LENGTH``) with the longest client name."""
+
+
+def handler_key(client: str, key: str) -> str:
+    """The key the handler runs under (``ctx.key``, the event's ``idempotency-key``) for
+    ``client``'s Idempotency-Key ``key``: ``http:<client>:<key>``. A key sent over AMQP as
+    ``order-1`` and one posted as ``order-1`` are two keys, and so are two clients' ``order-1``."""
+    return f"{HTTP_KEY_PREFIX}{client}:{key}"
+
+
+def check_client_key(raw: object) -> str:
+    """``raw`` as a client's Idempotency-Key: the consumer's key check (``check_key``), and at
+    most ``MAX_CLIENT_KEY_LENGTH`` characters; ``InvalidKey`` otherwise."""
+    key = check_key(raw)
+    if len(key) > MAX_CLIENT_KEY_LENGTH:
+        raise InvalidKey(f"Idempotency-Key is longer than {MAX_CLIENT_KEY_LENGTH} characters")
+    return key
 
 
 def key_header(request: Request) -> bytes | None:
@@ -32,11 +67,12 @@ def key_header(request: Request) -> bytes | None:
 
 def client_key(request: Request, routing_key: str) -> str:
     """The request's Idempotency-Key, checked by the consumer's own key check: a ``MissingKey``
-    or an ``InvalidKey`` (not UTF-8, too long, a NUL) when the consumer would refuse it too."""
+    or an ``InvalidKey`` (not UTF-8, a NUL, longer than ``MAX_CLIENT_KEY_LENGTH``) otherwise."""
     raw = key_header(request)
     if not raw:
         raise MissingKey("the request has no Idempotency-Key header (or an empty one)")
-    return idempotency_key(Delivery(b"", routing_key, headers={IDEMPOTENCY_KEY_HEADER: raw}))
+    delivery = Delivery(b"", routing_key, headers={IDEMPOTENCY_KEY_HEADER: raw})
+    return check_client_key(idempotency_key(delivery))
 
 
 def json_content_type(request: Request) -> str:
@@ -64,16 +100,26 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def read_delivery(request: Request, routing_key: str, *, max_body_bytes: int) -> Delivery:
-    """The posted message as the consumer's ``Delivery``: its routing key, its Idempotency-Key
-    header as sent, its declared JSON content type and its body, read within the limit. The
-    key and the content type are checked before the body is read."""
-    client_key(request, routing_key)
+def canonical_body(body: bytes, content_type: str, *, max_depth: int) -> bytes:
+    """``body``'s JSON value in its canonical encoding (``codec.canonical_json``): one value per
+    name (the last of duplicates, the one the handler validates), no insignificant whitespace, no
+    needless escapes; ``UndecodableBody`` or ``BodyTooDeep`` as the consumer would say."""
+    return canonical_json(decode_json(body, content_type, max_depth=max_depth))
+
+
+async def read_delivery(
+    request: Request, routing_key: str, key: str, *, max_body_bytes: int, max_depth: int
+) -> Delivery:
+    """The posted message as the consumer's ``Delivery`` for the event to append: its routing
+    key, ``key`` (the client's ``handler_key``, from its checked ``client_key``), and its body,
+    read within the limit, in its canonical JSON. The content type is checked before the body
+    is read. (The canonical form may be longer than the body sent, ``1E2`` being ``100.0``: the
+    consumer's size check, made on the delivery, refuses one that would pass the limit.)"""
     content_type = json_content_type(request)
     body = await read_body(request, max_body_bytes)
     return Delivery(
-        body,
+        canonical_body(body, content_type, max_depth=max_depth),
         routing_key,
-        headers={IDEMPOTENCY_KEY_HEADER: key_header(request) or b""},
-        content_type=content_type,
+        headers={IDEMPOTENCY_KEY_HEADER: key},
+        content_type=JSON_CONTENT_TYPE,
     )

@@ -6,6 +6,10 @@ the bearer token (401), the routing key (404), the Idempotency-Key (400), the de
 type (415), the body's size (413, before it is read past the limit), its JSON (400) and its
 validation against the handler's body type (422); then the request and its event are recorded in
 one transaction (202), or a retry answered as the first was. Every refusal is problem+json.
+
+Defaults deny: without ``ingress_routing_keys`` the ingress serves only the routing keys no
+handler declares it publishes (``publishes=``), so the worker's own events cannot be posted. A
+request speaks for the client of its token (``auth``), and reads back only its own requests.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ from urllib.parse import quote
 from fastapi import APIRouter, Security
 from fastapi.security import HTTPBearer
 from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.convertors import PathConvertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from worker import logs
-from worker.core.envelope import check_key, open_envelope
+from worker.core.envelope import open_envelope
 from worker.core.handler import Handler
 from worker.core.router import Router
 from worker.errors import ConfigurationError, Fault, NoHandler, Rejected, classify
@@ -36,7 +41,7 @@ from worker.ingress.problems import (
     unavailable,
     unknown_message,
 )
-from worker.ingress.reading import read_delivery
+from worker.ingress.reading import check_client_key, client_key, handler_key, read_delivery
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -46,13 +51,26 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 REPLAYED_HEADER = "Idempotent-Replayed"
 """Set to ``true`` on the answer to a retry: the request had been accepted before."""
 
+
+class _KeyConvertor(PathConvertor):
+    """A key in a path: anything after the routing key's segment, a ``/`` or a line break
+    (``%0A``) included (Starlette's ``path`` stops at a line break, and the request would miss
+    every route: no problem+json 404)."""
+
+    regex = "(?s:.*)"
+
+
+KEY_CONVERTOR = "worker_key"
+register_url_convertor(KEY_CONVERTOR, _KeyConvertor())
+
 _SERVABLE_ROUTING_KEY = re.compile(r"[A-Za-z0-9._~!$&'()*+,;=:@-]+")
 """A routing key that is a path segment as it is (RFC 3986's ``pchar``, no ``%``)."""
 
 
 def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -> APIRouter:
-    """The ingress's routes for every routing key of ``router``, on ``engine`` (which the caller
-    owns: create it with ``worker.database.create_engine`` and dispose of it at shutdown).
+    """The ingress's routes for the routing keys of ``router`` it serves (``exposed``), on
+    ``engine`` (which the caller owns: create it with ``worker.database.create_engine`` and
+    dispose of it at shutdown).
 
     Mount it with ``app.include_router(ingress_router(...))``, under a prefix if you like; the
     ``Location`` of an accepted message follows the prefix. The routes check their bearer
@@ -82,35 +100,64 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
             dependencies=documented,
         )
         api.add_api_route(
-            f"/messages/{routing_key}/{{key:path}}",
+            f"/messages/{routing_key}/{{key:{KEY_CONVERTOR}}}",
             _get(handler, engine, tokens),
             methods=["GET"],
             name=f"get {routing_key}",
             summary=f"What became of a {routing_key} message",
             response_class=JSONResponse,
             responses=schemas.GET_RESPONSES,
+            openapi_extra=schemas.GET_DOCUMENTATION,
             dependencies=documented,
         )
     unknown = _unknown_routing_key(tokens)
     api.add_api_route("/messages/{routing_key}", unknown, methods=["POST"], include_in_schema=False)
     api.add_api_route(
-        "/messages/{routing_key}/{key:path}", unknown, methods=["GET"], include_in_schema=False
+        f"/messages/{{routing_key}}/{{key:{KEY_CONVERTOR}}}",
+        unknown,
+        methods=["GET"],
+        include_in_schema=False,
     )
+    # (a path under /messages that names no routing key: ``/messages``, ``/messages/``)
+    api.add_api_route("/messages", unknown, methods=["GET", "POST"], include_in_schema=False)
+    api.add_api_route("/messages/", unknown, methods=["GET", "POST"], include_in_schema=False)
     return api
 
 
 def exposed(router: Router, routing_keys: Sequence[str]) -> list[Handler]:
-    """The handlers the ingress serves, by routing key: those of ``routing_keys`` (every one of
-    ``router``'s when empty); a ``ConfigurationError`` for a listed key no handler serves."""
-    if not routing_keys:
-        return sorted(router.handlers(), key=lambda handler: handler.routing_key)
-    unknown = [key for key in routing_keys if router.find(key) is None]
-    if unknown:
+    """The handlers the ingress serves, by routing key: those of ``routing_keys``; when it is
+    empty, those of every routing key of ``router`` that no handler declares it publishes (its
+    events are the worker's own). A ``ConfigurationError`` for a listed key no handler serves,
+    or when nothing is left to serve."""
+    if routing_keys:
+        unknown = [key for key in routing_keys if router.find(key) is None]
+        if unknown:
+            raise ConfigurationError(
+                f"ingress_routing_keys names {', '.join(map(repr, unknown))}, which no handler "
+                f"module serves (they serve: {', '.join(router.routing_keys()) or 'nothing'})"
+            )
+        return [handler for key in sorted(set(routing_keys)) if (handler := router.find(key))]
+    published = published_routing_keys(router)
+    served = [key for key in router.routing_keys() if key not in published]
+    if not served:
         raise ConfigurationError(
-            f"ingress_routing_keys names {', '.join(map(repr, unknown))}, which no handler "
-            f"module serves (they serve: {', '.join(router.routing_keys()) or 'nothing'})"
+            "the ingress has no routing key to serve: every one the handler modules serve is "
+            "one a handler publishes (the worker's own events); name those clients may post "
+            "in ingress_routing_keys"
         )
-    return [handler for key in sorted(set(routing_keys)) if (handler := router.find(key))]
+    withheld = sorted(published & set(router.routing_keys()))
+    if withheld:
+        log.info(
+            "ingress_routing_keys is not set: serving %s; not %s, which handlers publish",
+            ", ".join(served),
+            ", ".join(withheld),
+        )
+    return [handler for key in served if (handler := router.find(key))]
+
+
+def published_routing_keys(router: Router) -> set[str]:
+    """The routing keys of the events ``router``'s handlers declare they publish."""
+    return {key for handler in router.handlers() for key, _ in handler.publishes}
 
 
 def servable(routing_key: str) -> str:
@@ -129,9 +176,14 @@ def _post(
 ) -> Endpoint:
     async def post(request: Request) -> Response:
         try:
-            tokens.check(request)
+            client = tokens.check(request)
+            key = client_key(request, handler.routing_key)
             delivery = await read_delivery(
-                request, handler.routing_key, max_body_bytes=settings.max_body_bytes
+                request,
+                handler.routing_key,
+                handler_key(client, key),
+                max_body_bytes=settings.max_body_bytes,
+                max_depth=settings.max_json_depth,
             )
             envelope = open_envelope(
                 delivery,
@@ -139,15 +191,16 @@ def _post(
                 max_body_bytes=settings.max_body_bytes,
                 max_depth=settings.max_json_depth,
             )
-            accepted = await accept(engine, envelope, exchange=settings.exchange)
+            accepted = await accept(engine, envelope, client, key, exchange=settings.exchange)
         except Exception as exc:
             return _refusal(exc, request)
-        status_url = f"{quote(request.url.path)}/{quote(envelope.key, safe='')}"
+        status_url = f"{quote(request.url.path)}/{quote(key, safe='')}"
         body = {
             "status_url": status_url,
             "message_id": str(accepted.message_id),
             "routing_key": handler.routing_key,
-            "key": envelope.key,
+            "key": key,
+            "handler_key": envelope.key,
         }
         headers = {"Location": status_url, "Cache-Control": "no-store"}
         if not accepted.new:
@@ -160,9 +213,9 @@ def _post(
 def _get(handler: Handler, engine: AsyncEngine, tokens: Tokens) -> Endpoint:
     async def get(request: Request) -> Response:
         try:
-            tokens.check(request)
+            client = tokens.check(request)
             key = _path_key(request)
-            found = await outcome(engine, handler.name, key) if key is not None else None
+            found = await outcome(engine, handler.name, client, key) if key is not None else None
         except Exception as exc:
             return _refusal(exc, request)
         if found is None:
@@ -173,10 +226,10 @@ def _get(handler: Handler, engine: AsyncEngine, tokens: Tokens) -> Endpoint:
 
 
 def _path_key(request: Request) -> str | None:
-    """The key a GET names, if the consumer's key check takes it (a key it refuses was never
+    """The key a GET names, if a client's key passes the check (a key it refuses was never
     accepted: None)."""
     try:
-        return check_key(request.path_params["key"])
+        return check_client_key(request.path_params["key"])
     except Rejected:
         return None
 
@@ -187,7 +240,8 @@ def _unknown_routing_key(tokens: Tokens) -> Endpoint:
             tokens.check(request)
         except Problem as problem:
             return problem.response(request.url.path)
-        refused = NoHandler(f"no handler serves routing key {request.path_params['routing_key']!r}")
+        routing_key = request.path_params.get("routing_key", "")
+        refused = NoHandler(f"no handler serves routing key {routing_key!r}")
         return Problem.of(refused).response(request.url.path)
 
     return unknown

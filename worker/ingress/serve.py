@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import resource
 import socket
 from collections.abc import Callable, Iterator
 
@@ -23,6 +25,8 @@ from worker.backoff import first, while_starting
 from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.ingress.app import APPLICATION_NAME, create_app
+from worker.ingress.connections import LimitedH11Protocol, Limits
+from worker.ingress.edge import overflow_app
 from worker.settings import Settings, redact
 
 log = logging.getLogger(__name__)
@@ -30,6 +34,18 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE = 10
 """Seconds requests in flight get after a stop. A request's transaction takes milliseconds; only
 a client still sending its body is cut off."""
+
+MAX_HEADER_BYTES = 16 * 1024
+"""Bytes of a request line and headers h11 buffers at most before it refuses the request (400)."""
+
+BACKLOG = 128
+"""Connections the kernel queues before the ingress accepts them, and so the most asyncio accepts
+in one turn of the event loop: the connections closed to make room for them close in the next,
+so for a moment the process may hold this many more files than its cap."""
+
+SPARE_FILES = 128
+"""Open files kept for what is not a client connection: the database pool, logs, the listener,
+the connections over the cap being answered 503."""
 
 
 class _Server(uvicorn.Server):
@@ -79,7 +95,9 @@ async def serve(
                 started(port)
 
         app = create_app(settings, engine=engine, router=router)
-        await serve_app(app, settings.ingress_host, settings.ingress_port, stop, listening)
+        await serve_app(
+            app, settings.ingress_host, settings.ingress_port, stop, listening, settings=settings
+        )
     finally:
         await engine.dispose()
     log.info("the ingress stopped")
@@ -91,16 +109,28 @@ async def serve_app(
     port: int,
     stop: asyncio.Event,
     started: Callable[[int], object] | None = None,
+    *,
+    settings: Settings | None = None,
 ) -> None:
-    """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no access log, no
-    ``Server`` header, forwarded headers not trusted) until ``stop`` is set, then shut down
+    """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no uvicorn access
+    log, no ``Server`` header, forwarded headers not trusted, the connection bounds of
+    ``settings``: see ``worker.ingress.connections``) until ``stop`` is set, then shut down
     gracefully; ``started`` gets the port bound once it listens."""
+    settings = Settings() if settings is None else settings
+    limits = Limits(
+        max_connections=open_files_allow(settings.ingress_max_connections),
+        header_timeout=settings.ingress_header_timeout,
+        overflow_app=overflow_app(settings),
+    )
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         loop="none",
-        http="h11",
+        http=LimitedH11Protocol.limited(limits),
+        timeout_keep_alive=math.ceil(settings.ingress_keep_alive),
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
+        backlog=BACKLOG,
         lifespan="on",
         log_config=None,
         access_log=False,
@@ -117,6 +147,30 @@ async def serve_app(
         await first(stop.wait(), asyncio.shield(task))
         server.should_exit = True
     await task
+
+
+def open_files_allow(connections: int) -> int:
+    """``connections``, or fewer if the process may not open that many files: the soft limit of
+    open files is raised to the hard one when that is needed, and beyond it the cap is lowered
+    (with a warning) so that a flood meets the cap, never "Too many open files"."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = connections + connections // 8 + BACKLOG + SPARE_FILES
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        raised = needed if hard == resource.RLIM_INFINITY else min(hard, needed)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+    if soft == resource.RLIM_INFINITY or soft >= needed:
+        return connections
+    allowed = max(1, (soft - BACKLOG - SPARE_FILES) * 8 // 9)
+    log.warning(
+        "ingress_max_connections is %d, but the process may open %d files: serving %d "
+        "connections at most (raise `ulimit -n`)",
+        connections,
+        soft,
+        allowed,
+    )
+    return allowed
 
 
 async def _serving(server: uvicorn.Server) -> None:

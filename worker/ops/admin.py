@@ -2,11 +2,12 @@
 
 Looking never changes anything: ``status`` reads the database in one read-only snapshot and asks
 the broker about the worker's queues with passive declares only, so a queue no worker has
-declared yet is reported missing, never created; ``parked_outbox`` leaves the rows parked. The
-one write is ``retry_parked_outbox``: in one transaction it moves rows from ``outbox_parked``
-back into ``outbox`` under their own ``message_id``, so a consumer that already got a copy
-deduplicates the next one. Each part of ``status`` fails on its own: an unreachable PostgreSQL
-still leaves the broker's part, and the reverse.
+declared yet is reported missing, never created; ``outbox_list`` shows unpublished events in
+every state and changes none. The one write is ``retry_outbox``: in one transaction it makes
+backing-off rows due now and moves parked rows back into ``outbox`` under their own
+``message_id``, so a consumer that already got a copy deduplicates the next one. Each part of
+``status`` fails on its own: an unreachable PostgreSQL still leaves the broker's part, and the
+reverse.
 """
 
 from __future__ import annotations
@@ -233,41 +234,85 @@ async def _part(
     return None
 
 
-async def parked_outbox(settings: Settings, *, limit: int) -> list[inspection.ParkedOutboxRow]:
-    """Up to ``limit`` parked outbox rows, parked longest first; they stay parked."""
+async def outbox_list(
+    settings: Settings, states: Sequence[str], *, routing_key: str | None = None, limit: int
+) -> list[inspection.OutboxEntry]:
+    """Up to ``limit`` rows of each of ``states`` (of ``inspection.OUTBOX_STATES``), of
+    ``routing_key`` if given, in the order of ``states``; read in one read-only snapshot, so a
+    row moving between states while it is read is shown once. Nothing changes."""
 
-    async def read(engine: AsyncEngine) -> list[inspection.ParkedOutboxRow]:
-        async with engine.connect() as conn:
-            return await inspection.parked_outbox(conn, limit)
+    async def read(engine: AsyncEngine) -> list[inspection.OutboxEntry]:
+        snapshot = engine.execution_options(
+            isolation_level="REPEATABLE READ", postgresql_readonly=True
+        )
+        async with snapshot.begin() as conn:
+            return [
+                entry
+                for state in states
+                for entry in await inspection.outbox_entries(
+                    conn, state, limit, routing_key=routing_key
+                )
+            ]
 
     return await _with_engine(settings, read)
 
 
 @dataclass(frozen=True)
 class Retried:
-    """Rows moved back into the outbox, and the requested ids that were not parked."""
+    """What ``retry_outbox`` did: backing-off rows made due now (``hurried``), parked rows moved
+    back into the outbox (``moved``), and of the requested ids those already due (``due``) and
+    those that are no unpublished event at all (``unknown``)."""
 
-    rows: list[inspection.RetriedOutboxRow]
-    not_parked: list[int]
+    hurried: list[inspection.HurriedOutboxRow]
+    moved: list[inspection.RetriedOutboxRow]
+    due: list[int]
+    unknown: list[int]
+
+    @property
+    def routing_keys(self) -> list[str]:
+        """The routing key of each row retried, hurried or moved."""
+        return [row.routing_key for row in self.hurried] + [row.routing_key for row in self.moved]
 
 
-async def retry_parked_outbox(settings: Settings, ids: Sequence[int] | None) -> Retried:
-    """Move the parked rows with ``ids`` (all of them when None) back into the outbox, in one
-    transaction, so a relay publishes them again under their own ``message_id``.
+async def retry_outbox(
+    settings: Settings,
+    ids: Sequence[int] | None = None,
+    *,
+    routing_key: str | None = None,
+    states: Sequence[str] = inspection.RETRY_STATES,
+) -> Retried:
+    """Publish unpublished events again, now: those with ``ids``, else those of ``routing_key``,
+    else all, of ``states`` (backing-off, parked, or both), in one transaction.
 
-    Each row restarts with 0 attempts and keeps its ``last_error`` until a new failure replaces
-    it. It gets a new outbox id: a row with an ordering key is published after the rows of its
-    key emitted before this commit, not in its original place. Relays are woken at commit
+    A backing-off row is made due by the database's clock and keeps its attempts
+    (``inspection.hurry_outbox``); a parked row moves back into the outbox under its own
+    ``message_id``, so a consumer that already got a copy deduplicates the next one, with 0
+    attempts and a new outbox id (``inspection.retry_parked_outbox``: a row with an ordering key
+    goes out after the rows of its key emitted before this commit). Relays are woken at commit
     (unless ``outbox_notify`` is off; they poll anyway).
     """
 
-    async def move(engine: AsyncEngine) -> list[inspection.RetriedOutboxRow]:
+    async def retry(engine: AsyncEngine) -> Retried:
+        notify = settings.outbox_notify
         async with engine.begin() as conn:
-            return await inspection.retry_parked_outbox(conn, ids, notify=settings.outbox_notify)
+            hurried = (
+                await inspection.hurry_outbox(conn, ids, routing_key=routing_key, notify=notify)
+                if "backing-off" in states
+                else []
+            )
+            moved = (
+                await inspection.retry_parked_outbox(
+                    conn, ids, routing_key=routing_key, notify=notify
+                )
+                if "parked" in states
+                else []
+            )
+            found = {row.id for row in hurried} | {row.parked_id for row in moved}
+            rest = sorted({i for i in ids or () if i not in found})
+            due = await inspection.pending_outbox_ids(conn, rest) if rest else []
+        return Retried(hurried, moved, due, [i for i in rest if i not in due])
 
-    rows = await _with_engine(settings, move)
-    moved = {row.parked_id for row in rows}
-    return Retried(rows, sorted({i for i in ids or () if i not in moved}))
+    return await _with_engine(settings, retry)
 
 
 async def _with_engine(settings: Settings, use: Callable[[AsyncEngine], Awaitable[_T]]) -> _T:

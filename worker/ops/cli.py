@@ -15,17 +15,28 @@ import contextlib
 import enum
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
 
 if TYPE_CHECKING:
-    from worker.ops.dlq import Outcome, Parked, Selection
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
+    from worker.ops.dlq import Outcome, Parked, Selection, Shown
 
 from worker import logs
 from worker.core.router import Router
@@ -39,6 +50,7 @@ from worker.errors import (
 from worker.ops import supervisor
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import FIELDS, Field, Group, Settings, duration, format_duration, positive_int
+from worker.sql.inspection import OUTBOX_STATES, RETRY_STATES
 
 log = logging.getLogger("worker")
 _T = TypeVar("_T")
@@ -66,6 +78,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "gc": (*EVERY_COMMAND, Group.RETRIES, Group.SWEEP),
     "workflows": EVERY_COMMAND,
     "dlq list": EVERY_COMMAND,
+    "dlq show": EVERY_COMMAND,
     "dlq replay": (*EVERY_COMMAND, Group.RETRIES),
     "dlq purge": EVERY_COMMAND,
     "status": (*EVERY_COMMAND, Group.RETRIES, Group.ENDPOINT),
@@ -340,6 +353,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     shown.add_argument("--all", action="store_true", help="show every parked message")
     _dlq_filters(dlq_list)
+    dlq_list.add_argument(
+        "--json", action="store_true", help="one JSON object per message, no summary line"
+    )
+    dlq_show = command(
+        dlq_commands,
+        "dlq show",
+        _dlq_show,
+        "show one parked message in full: provenance, properties, headers, body",
+        "Show the parked message with this id (`dlq list` shows each message's id: the "
+        "worker's parking id, or sha256:... for a copy without the worker's record), its "
+        "headers and its body, escaped for the terminal; the queue is left as it was.",
+    )
+    dlq_show.add_argument("id", help="the message's id, as `worker dlq list` shows it")
+    dlq_show.add_argument(
+        "--full",
+        action="store_true",
+        help=f"the whole body (default: its first {DLQ_SHOW_BODY_BYTES} bytes)",
+    )
     dlq_replay = command(
         dlq_commands,
         "dlq replay",
@@ -347,14 +378,19 @@ def build_parser() -> argparse.ArgumentParser:
         "clear the failed state and send parked messages back to the work queue",
         "For each parked message that the filters select (oldest first): forget that its key "
         "failed, send it back to the work queue, remove it from the DLQ. Each replayed message "
-        "runs once. A message parked longer ago than inbox_retention is refused and stays "
-        "parked (its key may have expired from the inbox, so it could run twice) unless "
-        "--force. Prints a summary by reason and handler (--verbose: a line per message too).",
+        "runs once. Refused and left parked unless --force: a message parked longer ago than "
+        "inbox_retention (its key may have expired from the inbox, so it could run twice), and "
+        "an unverified one (no record that the worker parked it: its headers could be anyone's; "
+        "forced, it goes back as a fresh delivery that clears no inbox row). Prints a summary "
+        "by reason and handler (--verbose: a line per message too).",
     )
     dlq_replay.add_argument("--limit", type=positive_int, help="replay at most this many")
     _dlq_filters(dlq_replay)
     dlq_replay.add_argument(
-        "--force", action="store_true", help="replay messages parked before inbox_retention too"
+        "--force",
+        action="store_true",
+        help="replay messages parked before inbox_retention too, and unverified ones as fresh "
+        "deliveries",
     )
     dlq_replay.add_argument(
         "--dry-run", action="store_true", help="show what would be replayed; change nothing"
@@ -366,9 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
         _dlq_purge,
         "delete the parked messages the filters select",
         "Delete each parked message that the filters select (all of them with --all); the "
-        "others keep their place. Asks nothing: give at least one filter or --all. Messages "
-        "parked after the purge began are left. Prints a summary by reason and handler "
-        "(--verbose: a line per message too).",
+        "others keep their place. Asks nothing: give at least one filter or --all. An "
+        "unverified message (no record that the worker parked it) is deleted only with "
+        "--reason unverified or --all. Messages parked after the purge began are left. Prints "
+        "a summary by reason and handler (--verbose: a line per message too).",
     )
     dlq_purge.add_argument("--limit", type=positive_int, help="delete at most this many")
     _dlq_filters(dlq_purge)
@@ -393,29 +430,46 @@ def build_parser() -> argparse.ArgumentParser:
 
     outbox = commands.add_parser(
         "outbox",
-        help="inspect or retry the outbox rows the relay gave up on",
-        description="Rows the relay parked in outbox_parked after its last failed attempt.",
+        help="list unpublished events (pending, backing off, parked) or publish them now",
+        description="Events committed to the outbox and not yet confirmed by the broker: pending "
+        "(due, a relay takes them next), backing-off (a publish failed; retried at their next "
+        "attempt) and parked (in outbox_parked after the last attempt failed).",
     )
     outbox_commands = outbox.add_subparsers(dest="outbox_command", required=True, metavar="ACTION")
     outbox_list = command(
         outbox_commands,
         "outbox list",
         _outbox_list,
-        "show the parked outbox rows (they stay parked)",
-        "Show the parked outbox rows, parked longest first, without their bodies.",
+        "show unpublished events in every state, or in --state (nothing changes)",
+        "Show unpublished events without their bodies: pending and backing-off rows in the "
+        "order the relay takes them (their next attempt, its time by the database's clock, "
+        "their attempts and last error), parked rows oldest first. At most --limit rows of each "
+        "state, read from an index, however large the outbox.",
     )
-    outbox_list.add_argument("--limit", type=positive_int, default=100, help="default 100")
+    outbox_list.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        choices=OUTBOX_STATES,
+        help="only rows in this state (repeatable; default: every state)",
+    )
+    outbox_list.add_argument("--routing-key", help="only rows of this routing key (exact)")
+    outbox_list.add_argument(
+        "--limit", type=positive_int, default=100, help="at most this many rows of each state"
+    )
     outbox_list.add_argument("--json", action="store_true", help="one JSON object per line")
     outbox_retry = command(
         outbox_commands,
         "outbox retry",
         _outbox_retry,
-        "move parked outbox rows back into the outbox, to be published again",
-        "In one transaction, move the parked rows (those with --id, or --all) back into the "
-        "outbox with their message_id, 0 attempts and their last error; the relay publishes "
-        "them again. Each gets a new outbox id: a row with an ordering key goes out after the "
-        "rows of its key emitted before the retry, not in its original place. Prints how many "
-        "by routing key (a line per row too with --id or --verbose).",
+        "publish backing-off and parked outbox rows now",
+        "In one transaction: backing-off rows become due now by the database's clock (they keep "
+        "their attempts), and parked rows move back into the outbox with their message_id, 0 "
+        "attempts and their last error (each gets a new outbox id: a row with an ordering key "
+        "goes out after the rows of its key emitted before the retry); relays are woken at "
+        "commit. Which rows: --id, --routing-key or --all, of --state (default both). Prints "
+        "how many by routing key (a line per row too with --id or --verbose). Exits 1 when an "
+        "--id or the --routing-key matches no backing-off or parked row.",
     )
     _verbose(outbox_retry)
     which = outbox_retry.add_mutually_exclusive_group(required=True)
@@ -426,9 +480,17 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         metavar="ID",
-        help="the parked rows' ids (as `worker outbox list` shows them)",
+        help="the rows' ids (as `worker outbox list` shows them)",
     )
-    which.add_argument("--all", action="store_true", help="every parked row")
+    which.add_argument("--routing-key", help="every backing-off or parked row of this routing key")
+    which.add_argument("--all", action="store_true", help="every backing-off and parked row")
+    outbox_retry.add_argument(
+        "--state",
+        dest="states",
+        action="append",
+        choices=RETRY_STATES,
+        help="only rows in this state (repeatable; default: both)",
+    )
 
     verify = command(
         commands,
@@ -708,60 +770,187 @@ def _workflows(settings: Settings, args: argparse.Namespace) -> int:
 DLQ_LIST_LIMIT = 100
 """Messages ``worker dlq list`` shows unless told otherwise."""
 
+DLQ_SHOW_BODY_BYTES = 4096
+"""Bytes of a body ``worker dlq show`` prints unless ``--full``."""
+
 
 def _dlq_filters(parser: argparse.ArgumentParser) -> None:
     """The flags that select parked messages, shared by every ``dlq`` action."""
     parser.add_argument("--key", help="only the messages with this idempotency key")
-    parser.add_argument("--reason", help="only the messages parked for this reason")
+    parser.add_argument(
+        "--reason",
+        help="only the messages parked for this reason (`unverified`: those without the "
+        "worker's record of parking them)",
+    )
     parser.add_argument("--handler", help="only the messages of this handler (its routing key)")
 
 
 def _dlq_selection(args: argparse.Namespace) -> Selection:
-    from worker.ops.dlq import Selection
+    """The selection the filter flags make; an unknown reason is a usage error that lists the
+    known ones."""
+    import difflib
 
+    from worker.ops.dlq import REASONS, Selection
+
+    if args.reason is not None and args.reason not in REASONS:
+        close = difflib.get_close_matches(args.reason, REASONS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigurationError(
+            f"unknown reason {args.reason!r}{hint}; the reasons are: {', '.join(REASONS)}"
+        )
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
+
+
+@contextlib.contextmanager
+def _until_the_reader_leaves() -> Iterator[None]:
+    """Output to a pipe whose reader left (``worker dlq list | head -1``) ends quietly: stdout
+    is pointed at /dev/null so that nothing more (not even the exit's flush) raises."""
+    try:
+        yield
+    except BrokenPipeError:
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+async def _with_dlq(
+    settings: Settings, action: Callable[[AbstractRobustConnection, AsyncEngine], Awaitable[_T]]
+) -> _T:
+    """``action`` with a broker connection and a one-connection database engine (the DLQ's
+    copies and the worker's records of them)."""
+    from worker.database import one_connection
+
+    async def with_engine(connection: AbstractRobustConnection) -> _T:
+        async with one_connection(settings, "worker-dlq") as engine:
+            return await action(connection, engine)
+
+    return await _with_broker(settings, with_engine)
 
 
 def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import dlq
 
     limit = None if args.all else args.limit
+    selection = _dlq_selection(args)
 
-    async def show(connection: AbstractRobustConnection) -> int:
-        found = dlq.browse(connection, settings, selection=_dlq_selection(args), limit=limit)
+    async def show(connection: AbstractRobustConnection, engine: AsyncEngine) -> int:
+        found = dlq.browse(connection, engine, settings, selection=selection, limit=limit)
         shown = 0
         async with contextlib.aclosing(found) as outcomes:
             async for outcome in outcomes:
-                print(_describe(outcome.parked), flush=True)
+                if args.json:
+                    print(_parked_json(outcome.parked), flush=True)
+                else:
+                    print(_describe(outcome.parked), flush=True)
                 shown += 1
         return shown
 
-    shown = asyncio.run(_with_broker(settings, show))
-    more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
-    print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
+    with _until_the_reader_leaves():
+        shown = asyncio.run(_with_dlq(settings, show))
+        if not args.json:
+            more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
+            print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
     return 0
 
 
-def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
-    from worker.database import one_connection
+def _parked_json(parked: Parked) -> str:
+    """One JSON object for ``parked`` (ASCII only: nothing in it can drive a terminal)."""
+    import json
+
+    return json.dumps(
+        {
+            "id": parked.id,
+            "verified": parked.verified,
+            "unverified_because": parked.unverified_because,
+            "key": parked.key,
+            "handler": parked.handler,
+            "reason": parked.reason,
+            "routing_key": parked.routing_key,
+            "error": parked.error,
+            "exception_type": parked.exception_type,
+            "attempts": parked.attempts,
+            "first_failure_at": parked.first_failure_at or None,
+            "dead_lettered_at": (
+                parked.dead_lettered_at.isoformat() if parked.dead_lettered_at else None
+            ),
+            "message_id": parked.message_id,
+            "claims": dict(parked.claims),
+        }
+    )
+
+
+def _dlq_show(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import dlq
 
-    async def replay(connection: AbstractRobustConnection) -> tuple[int, int]:
-        async with one_connection(settings, "worker-dlq") as engine:
-            outcomes = dlq.replaying(
-                connection,
-                engine,
-                settings,
-                selection=_dlq_selection(args),
-                limit=args.limit,
-                force=args.force,
-                dry_run=args.dry_run,
-            )
-            return await _dlq_report(
-                outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
-            )
+    async def find(connection: AbstractRobustConnection, engine: AsyncEngine) -> list[Shown]:
+        return await dlq.find(connection, engine, settings, args.id)
 
-    done, refused = asyncio.run(_with_broker(settings, replay))
+    found = asyncio.run(_with_dlq(settings, find))
+    if not found:
+        raise ConfigurationError(
+            f"no message with id {args.id!r} in {settings.dead_letter_queue} "
+            "(`worker dlq list` shows each message's id)"
+        )
+    with _until_the_reader_leaves():
+        for shown in found:
+            _show_parked(shown, full=args.full)
+    return 0
+
+
+def _show_parked(shown: Shown, *, full: bool) -> None:
+    """Print one parked message in full, every line escaped (``_show``): a body or a header can
+    neither add lines nor drive the terminal."""
+    parked = shown.parked
+    _show(f"id: {parked.id}")
+    if parked.verified:
+        _show("provenance: parked by the worker (its record names this copy)")
+    else:
+        _show(f"provenance: unverified ({parked.unverified_because}): its headers are claims")
+    _show(_describe(parked))
+    _show("properties:")
+    for name, value in shown.properties.items():
+        if value is not None:
+            _show(f"  {name}: {_header_text(value)}")
+    _show("headers:")
+    for name, value in shown.headers.items():
+        _show(f"  {name}: {_header_text(value)}")
+    body = shown.body if full else shown.body[:DLQ_SHOW_BODY_BYTES]
+    cut = len(shown.body) - len(body)
+    _show(
+        f"body ({len(shown.body)} bytes"
+        + (f"; the first {len(body)} shown, --full shows all" if cut else "")
+        + "):"
+    )
+    for line in body.decode("utf-8", "replace").split("\n"):
+        _show(line)
+
+
+def _header_text(value: object) -> str:
+    """A header's value as text: bytes decoded, anything else as Python writes it."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value if isinstance(value, str) else repr(value)
+
+
+def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.ops import dlq
+
+    selection = _dlq_selection(args)
+
+    async def replay(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
+        outcomes = dlq.replaying(
+            connection,
+            engine,
+            settings,
+            selection=selection,
+            limit=args.limit,
+            force=args.force,
+            dry_run=args.dry_run,
+        )
+        return await _dlq_report(
+            outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
+        )
+
+    done, refused = asyncio.run(_with_dlq(settings, replay))
     summary = f"{done} message(s) sent back to {settings.queue}"
     if args.dry_run:
         summary = f"dry run: {done} message(s) would be sent back to {settings.queue}"
@@ -778,19 +967,27 @@ def _dlq_purge(settings: Settings, args: argparse.Namespace) -> int:
     if not selection.filters and not args.all:
         raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
 
-    async def purge(connection: AbstractRobustConnection) -> tuple[int, int]:
+    async def purge(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
         outcomes = dlq.purging(
-            connection, settings, selection=selection, limit=args.limit, dry_run=args.dry_run
+            connection,
+            engine,
+            settings,
+            selection=selection,
+            limit=args.limit,
+            dry_run=args.dry_run,
         )
         return await _dlq_report(
             outcomes, "would purge" if args.dry_run else "purged", verbose=args.verbose
         )
 
-    done, _ = asyncio.run(_with_broker(settings, purge))
+    done, refused = asyncio.run(_with_dlq(settings, purge))
     if args.dry_run:
-        print(f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}")
+        summary = f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}"
     else:
-        print(f"{done} message(s) purged from {settings.dead_letter_queue}")
+        summary = f"{done} message(s) purged from {settings.dead_letter_queue}"
+    if refused:
+        summary += f"; {refused} unverified left parked (--reason unverified purges them)"
+    print(summary)
     return 0
 
 
@@ -847,10 +1044,19 @@ async def _with_broker(
 
 
 def _describe(message: Parked) -> str:
+    """One line for a parked message: the worker's record's facts, or an unverified copy's
+    claims marked as such."""
+    if not message.verified:
+        claims = " ".join(f"{name}={value!r}" for name, value in message.claims.items())
+        return logs.printable(
+            f"key={message.key or '-'} handler=- reason={message.reason} "
+            f"routing_key={message.routing_key} id={message.id} "
+            f"why={message.unverified_because!r} claims: {claims or 'none'}"
+        )
     return logs.printable(
         f"key={message.key or '-'} handler={message.handler or '-'} reason={message.reason} "
         f"attempts={message.attempts} first_failure={message.first_failure_at or '-'} "
-        f"routing_key={message.routing_key} error={message.error!r}"
+        f"routing_key={message.routing_key} id={message.id} error={message.error!r}"
     )
 
 
@@ -942,33 +1148,95 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
 def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
-    rows = asyncio.run(admin.parked_outbox(settings, limit=args.limit))
-    for row in rows:
+    states = _chosen(OUTBOX_STATES, args.states)
+    entries = asyncio.run(
+        admin.outbox_list(settings, states, routing_key=args.routing_key, limit=args.limit)
+    )
+    for entry in entries:
         if args.json:
-            print(admin.to_json(row))
+            print(admin.to_json(entry))
         else:
-            _show(
-                f"id={row.id} message_id={row.message_id} exchange={row.exchange or '(default)'} "
-                f"routing_key={row.routing_key} ordering_key={row.ordering_key or '-'} "
-                f"attempts={row.attempts} created_at={row.created_at.isoformat()} "
-                f"parked_at={row.parked_at.isoformat()} last_error={row.last_error!r}"
-            )
-    if not args.json:
-        print(f"{len(rows)} parked outbox row(s) shown; `worker outbox retry` publishes them again")
+            _show(_outbox_line(entry))
+    if args.json:
+        return 0
+    shown = Counter(entry.state for entry in entries)
+    counts = ", ".join(f"{shown[state]} {state}" for state in states)
+    print(f"{counts} outbox row(s) shown")
+    full = [state for state in states if shown[state] == args.limit]
+    if full:
+        print(f"(--limit {args.limit} reached for {', '.join(full)}: there may be more)")
+    waiting = {entry.routing_key for entry in entries if entry.state != "pending"}
+    if waiting:
+        key = shlex.quote(waiting.pop()) if len(waiting) == 1 else "KEY"
+        _show(
+            f"`worker outbox retry --routing-key {key}` (or --id ID, --all) publishes "
+            "backing-off and parked rows now"
+        )
     return 0
+
+
+def _outbox_line(entry: Any) -> str:
+    """One row of ``worker outbox list``: its state, then ``name=value`` pairs."""
+    fields = [
+        f"{entry.state:<11} id={entry.id} message_id={entry.message_id}",
+        f"exchange={entry.exchange or '(default)'} routing_key={entry.routing_key}",
+        f"ordering_key={entry.ordering_key or '-'} attempts={entry.attempts}",
+        f"created_at={entry.created_at.isoformat()}",
+    ]
+    if entry.parked_at is not None:
+        fields.append(f"parked_at={entry.parked_at.isoformat()}")
+    elif entry.attempts:
+        fields.append(
+            f"next_attempt={entry.available_at.isoformat()} (in {entry.due_in_seconds:.0f}s)"
+        )
+    if entry.last_error is not None:
+        fields.append(f"last_error={entry.last_error!r}")
+    return " ".join(fields)
+
+
+def _chosen(states: Sequence[str], asked: Sequence[str] | None) -> list[str]:
+    """The ``states`` asked for with ``--state`` (each once, in ``states``' order), or all."""
+    return [state for state in states if asked is None or state in asked]
 
 
 def _outbox_retry(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
-    retried = asyncio.run(admin.retry_parked_outbox(settings, None if args.all else args.ids))
-    if args.verbose or not args.all:
-        for row in retried.rows:
-            _show(f"retried id={row.parked_id} as id={row.id} message_id={row.message_id}")
-    _summary("retried by routing key", Counter(row.routing_key for row in retried.rows))
-    if retried.not_parked:
-        _show(f"not parked: {', '.join(map(str, retried.not_parked))}", file=sys.stderr)
-    print(f"{len(retried.rows)} parked outbox row(s) moved back into the outbox")
+    states = _chosen(RETRY_STATES, args.states)
+    retried = asyncio.run(
+        admin.retry_outbox(
+            settings,
+            None if args.all or args.ids is None else args.ids,
+            routing_key=args.routing_key,
+            states=states,
+        )
+    )
+    if args.verbose or args.ids:
+        for hurried in retried.hurried:
+            _show(f"hurried id={hurried.id} message_id={hurried.message_id}")
+        for moved in retried.moved:
+            _show(f"retried id={moved.parked_id} as id={moved.id} message_id={moved.message_id}")
+    _summary("retried by routing key", Counter(retried.routing_keys))
+    print(
+        f"{len(retried.hurried)} backing-off outbox row(s) made due now, "
+        f"{len(retried.moved)} parked outbox row(s) moved back into the outbox"
+    )
+    if retried.due:
+        _show(f"already due (pending): {', '.join(map(str, retried.due))}", file=sys.stderr)
+    if retried.unknown:
+        _show(
+            f"worker: error: no {' or '.join(states)} outbox row has id "
+            f"{', '.join(map(str, retried.unknown))} (see `worker outbox list`)",
+            file=sys.stderr,
+        )
+        return 1
+    if args.routing_key is not None and not retried.routing_keys:
+        _show(
+            f"worker: error: no {' or '.join(states)} outbox row has routing key "
+            f"{args.routing_key!r} (see `worker outbox list`)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

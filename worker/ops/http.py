@@ -1,13 +1,17 @@
 """The HTTP server of ``/metrics``, ``/healthz`` (alias ``/readyz``) and ``/livez``: a minimal
 HTTP/1.0 responder.
 
-It runs on ``asyncio.start_server``: it reads the request line, skips the headers, answers and
-closes. Invariant: no client can pin it. The whole exchange, closing included, must end within
-``REQUEST_TIMEOUT`` or the connection is dropped, and beyond ``http_max_connections`` open
-connections a new one is closed as it is accepted, unread, so the process's open files stay
-bounded whatever a client does. A dropped or refused connection is logged at debug level only (a
-refusal also counts in ``worker_http_connections_refused_total`` and in a warning at most once a
-minute), never with a traceback.
+It runs on ``loop.create_server`` with a protocol of its own: it reads the request line, skips
+the headers, answers and closes. Invariant: no client can pin it, nor keep a probe out. The
+whole exchange, closing included, must end within ``REQUEST_TIMEOUT`` or the connection is
+dropped, and at most ``http_max_connections`` are open, so the process's open files stay bounded
+whatever a client does. A connection accepted when they are all open closes the oldest one that
+has not sent its whole request and has nothing waiting to be read: a probe sends its request as
+it connects and is answered as soon as it is read, so it is never such a connection, while idle
+or slow clients are; only when none is does the new one get closed unread. A dropped, evicted or
+refused connection is logged at debug level only (a refusal or an eviction also counts in
+``worker_http_connections_refused_total`` and in a warning at most once a minute), never with a
+traceback.
 
 It runs on the worker's event loop, so it needs no thread, no framework and no locking, binds
 port 0 to an ephemeral port that tests can read, and closes with the loop's other components.
@@ -18,11 +22,13 @@ loop without blocking it, and logs every request to stderr.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import ipaddress
 import json
 import logging
+import struct
+import termios
 import time
-from collections.abc import Coroutine
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -44,6 +50,10 @@ REQUEST_TIMEOUT = 5.0
 
 REFUSALS_LOG_INTERVAL = 60.0
 """Seconds between two warnings that connections are being refused."""
+
+
+MAX_REQUEST_BYTES = 16 * 1024
+"""Bytes of a request line and headers read at most; a longer request is dropped unanswered."""
 
 
 class HttpServer:
@@ -70,14 +80,15 @@ class HttpServer:
         self.timeout = timeout
         self.port: int | None = None
         self._server: asyncio.Server | None = None
-        self._clients: set[asyncio.Task[Any]] = set()
-        self._open = 0
+        self._open: dict[_Exchange, None] = {}
+        """The open connections, oldest first."""
         self._refused = 0
         self._next_warning = 0.0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on ``host:port``; returns the port bound."""
-        self._server = await asyncio.start_server(self._accept, host, port, limit=16 * 1024)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: _Exchange(self), host, port)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -86,9 +97,8 @@ class HttpServer:
         server, self._server = self._server, None
         if server is not None:
             server.close()
-        for client in list(self._clients):
-            client.cancel()
-        await asyncio.gather(*self._clients, return_exceptions=True)
+        for exchange in list(self._open):
+            exchange.transport.abort()
         if server is not None:
             await server.wait_closed()  # from Python 3.12 on, it waits for every connection
 
@@ -98,56 +108,37 @@ class HttpServer:
     async def __aexit__(self, *_: object) -> None:
         await self.close()
 
-    def _accept(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> Coroutine[Any, Any, None] | None:
-        """Called as a connection is accepted, before anything is read: serve it, or close it at
-        once when ``max_connections`` are open."""
-        if self._open >= self.max_connections:
-            writer.transport.abort()
+    def _admit(self, exchange: _Exchange) -> bool:
+        """Called as a connection is accepted, before anything is read: True to serve it
+        (closing the oldest connection still waiting for its request, with nothing unread,
+        when ``max_connections`` are open); False when it must be closed at once."""
+        if len(self._open) >= self.max_connections:
+            idle = next((each for each in self._open if each.idle()), None)
             self._count_refusal()
-            return None
-        self._open += 1
-        return self._serve(reader, writer)
+            if idle is None:
+                return False
+            self._forget(idle)
+            idle.transport.abort()
+        self._open[exchange] = None
+        return True
+
+    def _forget(self, exchange: _Exchange) -> None:
+        self._open.pop(exchange, None)
 
     def _count_refusal(self) -> None:
         self.metrics.http_refused.inc()
         self._refused += 1
         now = time.monotonic()
         if now < self._next_warning:
-            log.debug("http: refused a connection: %d open", self._open)
+            log.debug("http: refused a connection: %d open", len(self._open))
             return
         log.warning(
-            "http: %d connection(s) refused, %d open (http_max_connections)",
+            "http: %d connection(s) refused or closed for a newer one, %d open "
+            "(http_max_connections)",
             self._refused,
-            self._open,
+            len(self._open),
         )
         self._refused, self._next_warning = 0, now + REFUSALS_LOG_INTERVAL
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._clients.add(task)
-        try:
-            # Closing counts too: a client that reads nothing would keep the answer buffered.
-            async with asyncio.timeout(self.timeout):
-                request = await reader.readline()
-                # Headers are read but ignored: closing with unread input would reset the
-                # connection, and the client could lose the answer.
-                while (await reader.readline()).strip():
-                    pass
-                writer.write(self.answer(request))
-                await writer.drain()
-                writer.close()
-                await writer.wait_closed()
-        except (TimeoutError, OSError, ValueError) as exc:  # slow, gone, or a line too long
-            log.debug("http: dropped a connection: %r", exc)
-        except Exception:
-            log.exception("http: could not answer a request")
-        finally:
-            writer.transport.abort()  # nothing left to send: the socket closes now
-            self._open -= 1
-            self._clients.discard(task)
 
     def answer(self, request_line: bytes) -> bytes:
         """The whole response to a request line, e.g. ``b"GET /metrics HTTP/1.1"``."""
@@ -169,6 +160,81 @@ class HttpServer:
         else:
             status, content_type, body = HTTPStatus.NOT_FOUND, "text/plain", b"not found\n"
         return _response(status, content_type, body, head=method == "HEAD")
+
+
+class _Exchange(asyncio.Protocol):
+    """One connection: its request read as it arrives, answered from its request line once the
+    headers end, then closed; dropped when it takes longer than the server's ``timeout``
+    (closing included: a client that reads nothing would keep the answer buffered)."""
+
+    def __init__(self, server: HttpServer) -> None:
+        self.server = server
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.received = bytearray()
+        self.answered = False
+        self._deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if not self.server._admit(self):
+            transport.abort()
+            return
+        loop = asyncio.get_running_loop()
+        self._deadline = loop.call_later(self.server.timeout, self._expire)
+
+    def idle(self) -> bool:
+        """Not answered yet, and nothing arrived that is not read yet."""
+        return not self.answered and not unread_bytes(self.transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered:
+            return  # (read and dropped: closing with unread input would reset the connection)
+        self.received += data
+        head = bytes(self.received)
+        if b"\r\n\r\n" in head or b"\n\n" in head:
+            self._answer(head.split(b"\n", 1)[0])
+        elif len(head) > MAX_REQUEST_BYTES:
+            log.debug("http: dropped a connection: a request longer than %d", MAX_REQUEST_BYTES)
+            self.transport.abort()
+
+    def eof_received(self) -> bool:
+        if not self.answered:
+            self._answer(bytes(self.received).split(b"\n", 1)[0])
+        return False
+
+    def _answer(self, request_line: bytes) -> None:
+        self.answered = True
+        self.received.clear()
+        try:
+            self.transport.write(self.server.answer(request_line))
+        except Exception:
+            log.exception("http: could not answer a request")
+            self.transport.abort()
+            return
+        self.transport.close()
+
+    def _expire(self) -> None:
+        log.debug("http: dropped a connection: it took longer than %g s", self.server.timeout)
+        self.transport.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+        self.server._forget(self)
+
+
+def unread_bytes(transport: asyncio.BaseTransport) -> int:
+    """Bytes that arrived on ``transport``'s socket and are not read yet (0 when unknown): a
+    connection with some is about to be served, however idle it looked so far."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        waiting = fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+    except (OSError, ValueError):
+        return 0
+    return int(struct.unpack("i", waiting)[0])
 
 
 def local_url(host: str, port: int, path: str) -> str:

@@ -1,5 +1,6 @@
 """The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``, and
-in the same sweep the HTTP ingress's requests accepted longer ago than that.
+in the same sweep the HTTP ingress's requests accepted longer ago than that, and the records of
+copies parked in the dead-letter queue twice as long ago (their copies are then unverified).
 
 One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
 finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own
@@ -27,7 +28,7 @@ from worker.backoff import first
 from worker.errors import is_transient
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
-from worker.sql import ingress, maintenance
+from worker.sql import ingress, maintenance, parkings
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,7 @@ class Sweep:
     deleted: int
     batches: int
     requests: int = 0
+    parkings: int = 0
 
 
 Delete = Callable[..., Awaitable[int]]
@@ -65,7 +67,10 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
             requests, request_batches = await _delete_all(
                 conn, settings, ingress.delete_expired_requests
             )
-            return Sweep(keys, key_batches + request_batches, requests)
+            parked, parked_batches = await _delete_all(
+                conn, settings, parkings.delete_expired_parkings
+            )
+            return Sweep(keys, key_batches + request_batches + parked_batches, requests, parked)
         finally:
             if locked:
                 await _unlock(conn)

@@ -301,7 +301,7 @@ async def outbox_drained(deployment: Deployment) -> Check:
 async def outbox_nothing_parked(deployment: Deployment) -> Check:
     """No row in ``outbox_parked`` (the relay gave up on it), unless ``allow_parked``."""
     async with deployment.engine.connect() as conn:
-        parked = await inspection.parked_outbox(conn, SAMPLE)
+        parked = await inspection.outbox_entries(conn, "parked", SAMPLE)
         total = (await inspection.outbox_stats(conn)).parked
     if not total:
         return Check("outbox-nothing-parked", True, "no parked outbox row")
@@ -350,7 +350,7 @@ async def dead_letters(deployment: Deployment) -> Check:
     dlq = next(queue for queue in queues if queue.role == "dead letters")
     if not dlq.exists:
         return Check("dead-letters", True, f"{dlq.name} does not exist: nothing parked")
-    parked = await list_parked(deployment.connection, deployment.settings)
+    parked = await list_parked(deployment.connection, deployment.engine, deployment.settings)
     if not parked:
         return Check("dead-letters", True, f"{dlq.name} is empty")
     reasons = Counter(message.reason for message in parked)

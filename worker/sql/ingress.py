@@ -2,9 +2,10 @@
 status from the inbox, and expiring old requests.
 
 Invariant: a request row is inserted only in the transaction that appends its event, and a
-(handler, key) has at most one row. A concurrent insert of the same (handler, key) waits on the
-uncommitted row and then finds it committed (a retry: answer as the first did) or rolled back
-(it inserts the row itself), as the inbox's claim does.
+(handler, client, key) has at most one row. A concurrent insert of the same (handler, client,
+key) waits on the uncommitted row and then finds it committed (a retry: answer as the first did)
+or rolled back (it inserts the row itself), as the inbox's claim does. A status is read only by
+the client that posted the request, and only from the inbox row of the request's own event.
 """
 
 from __future__ import annotations
@@ -24,11 +25,14 @@ from worker.sql.tables import ingress_requests
 
 @dataclass(frozen=True)
 class RequestRow:
-    """An accepted request: its effect's (handler, key), the routing key it was posted to, its
-    body's fingerprint and the message id of its event."""
+    """An accepted request: its handler, the client that posted it and the Idempotency-Key it
+    sent, the key its handler runs under, the routing key it was posted to, its body's
+    fingerprint and the message id of its event."""
 
     handler: str
+    client: str
     key: str
+    handler_key: str
     routing_key: str
     fingerprint: bytes
     message_id: uuid.UUID
@@ -36,72 +40,107 @@ class RequestRow:
 
 @dataclass(frozen=True)
 class MessageStatus:
-    """What the ingress and the inbox know of a (handler, key): ``accepted`` when the ingress has
-    its request, ``inbox_status`` (None: no inbox row yet) with the stored result or error."""
+    """What the inbox recorded of an accepted request's own event: ``inbox_status`` (None: not
+    handled yet) with the stored result or error, and the key its handler runs under."""
 
-    accepted: bool
     inbox_status: str | None
     result: Any
     error: str | None
+    handler_key: str
 
 
+# (client '': a request accepted before the ingress told clients apart, migration 0005. No
+# client is named so, hence none reads it; a retry of its key still finds it.)
 RECORD_REQUEST = """
-INSERT INTO ingress_requests (handler, key, routing_key, fingerprint, message_id)
-VALUES ($1, $2, $3, $4, $5)
-ON CONFLICT (handler, key) DO NOTHING
+INSERT INTO ingress_requests
+    (handler, client, key, handler_key, routing_key, fingerprint, message_id)
+SELECT $1::text, $2::text, $3::text, $4::text, $5::text, $6::bytea, $7::uuid
+WHERE NOT EXISTS (
+        SELECT FROM ingress_requests WHERE handler = $1 AND client = '' AND key = $3)
+  AND NOT EXISTS (SELECT FROM inbox WHERE handler = $1 AND key = $4)
+ON CONFLICT (handler, client, key) DO NOTHING
 RETURNING message_id
 """
 
 FIND_REQUEST = """
-SELECT fingerprint, message_id FROM ingress_requests WHERE handler = $1 AND key = $2
+SELECT fingerprint, message_id FROM ingress_requests
+WHERE handler = $1 AND key = $3 AND client IN ($2, '')
+ORDER BY client = ''
+LIMIT 1
+"""
+
+KEY_HANDLED = """
+SELECT EXISTS (SELECT FROM inbox WHERE handler = $1 AND key = $2)
 """
 
 MESSAGE_STATUS = """
-SELECT r.key IS NOT NULL AS accepted, i.status, i.result::text AS result, i.error
-FROM (SELECT $1::text AS handler, $2::text AS key) AS k
-LEFT JOIN ingress_requests AS r ON r.handler = k.handler AND r.key = k.key
-LEFT JOIN inbox AS i ON i.handler = k.handler AND i.key = k.key
-WHERE r.key IS NOT NULL OR i.key IS NOT NULL
+SELECT i.status, i.result::text AS result, i.error, r.handler_key
+FROM ingress_requests AS r
+LEFT JOIN inbox AS i
+    ON i.handler = r.handler AND i.key = r.handler_key AND i.message_id = r.message_id::text
+WHERE r.handler = $1 AND r.client = $2 AND r.key = $3
 """
 
 
 async def record_request(conn: Connection, row: RequestRow) -> bool:
-    """Insert ``row`` unless its (handler, key) has one; True when this transaction inserted it.
+    """Insert ``row`` unless its (handler, client, key) has one, a request accepted before
+    clients were told apart has its (handler, key), or the inbox already holds its handler key
+    (a message that did not come through the ingress took it); True when this transaction
+    inserted it.
 
-    Waits while another transaction holds an uncommitted row of the same (handler, key). False
-    means a committed row exists: ``find_request``, in a statement of its own (hence a snapshot
-    taken after the wait), reads it.
+    Waits while another transaction holds an uncommitted row of the same (handler, client, key).
+    False means a committed row exists (``find_request``, in a statement of its own, hence a
+    snapshot taken after the wait, reads it) or the handler key is taken (``key_handled``).
     """
     driver = await in_transaction(conn)
     inserted = await driver.fetchval(
-        RECORD_REQUEST, row.handler, row.key, row.routing_key, row.fingerprint, row.message_id
+        RECORD_REQUEST,
+        row.handler,
+        row.client,
+        row.key,
+        row.handler_key,
+        row.routing_key,
+        row.fingerprint,
+        row.message_id,
     )
     return inserted is not None
 
 
-async def find_request(conn: Connection, handler: str, key: str) -> tuple[bytes, uuid.UUID] | None:
-    """The fingerprint and event message id of the committed request of (handler, key), if any."""
+async def find_request(
+    conn: Connection, handler: str, client: str, key: str
+) -> tuple[bytes, uuid.UUID] | None:
+    """The fingerprint and event message id of the committed request of (handler, client, key),
+    else of one of (handler, key) accepted before clients were told apart, if any."""
     driver = await in_transaction(conn)
-    found = await driver.fetchrow(FIND_REQUEST, handler, key)
+    found = await driver.fetchrow(FIND_REQUEST, handler, client, key)
     return None if found is None else (bytes(found[0]), found[1])
 
 
-async def message_status(conn: Connection, handler: str, key: str) -> MessageStatus | None:
-    """What the ingress accepted and the inbox recorded of (handler, key); None when neither
-    knows it."""
+async def key_handled(conn: Connection, handler: str, handler_key: str) -> bool:
+    """Whether the inbox has a row of (handler, handler_key)."""
     driver = await in_transaction(conn)
-    found = await driver.fetchrow(MESSAGE_STATUS, handler, key)
+    return bool(await driver.fetchval(KEY_HANDLED, handler, handler_key))
+
+
+async def message_status(
+    conn: Connection, handler: str, client: str, key: str
+) -> MessageStatus | None:
+    """What the inbox recorded of the event of ``client``'s request (handler, key), counting
+    only an inbox row of that very event (its message id); None when ``client`` has no such
+    request (another client's, a key sent over AMQP, an expired one)."""
+    driver = await in_transaction(conn)
+    found = await driver.fetchrow(MESSAGE_STATUS, handler, client, key)
     if found is None:
         return None
-    accepted, status, result, error = found
-    return MessageStatus(accepted, status, None if result is None else json.loads(result), error)
+    status, result, error, handler_key = found
+    return MessageStatus(status, None if result is None else json.loads(result), error, handler_key)
 
 
 async def delete_expired_requests(conn: AsyncConnection, *, retention: float, limit: int) -> int:
     """Delete up to ``limit`` requests accepted more than ``retention`` seconds ago, oldest
     first; returns how many. Rows another transaction holds are skipped, never waited on."""
     expired = (
-        select(ingress_requests.c.handler, ingress_requests.c.key)
+        select(ingress_requests.c.handler, ingress_requests.c.client, ingress_requests.c.key)
         .where(ingress_requests.c.accepted_at < func.now() - interval(retention))
         .order_by(ingress_requests.c.accepted_at)
         .limit(limit)
@@ -109,6 +148,8 @@ async def delete_expired_requests(conn: AsyncConnection, *, retention: float, li
         .cte("expired")
     )
     stmt = delete(ingress_requests).where(
-        ingress_requests.c.handler == expired.c.handler, ingress_requests.c.key == expired.c.key
+        ingress_requests.c.handler == expired.c.handler,
+        ingress_requests.c.client == expired.c.client,
+        ingress_requests.c.key == expired.c.key,
     )
     return (await conn.execute(stmt)).rowcount

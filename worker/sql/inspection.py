@@ -13,9 +13,11 @@ from typing import Any
 from sqlalchemy import (
     delete,
     func,
+    null,
     or_,
     select,
     text,
+    update,
 )
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -158,26 +160,134 @@ async def inbox_gauge(
     return InboxGauge(counts, estimated=True)
 
 
-@dataclass(frozen=True)
-class ParkedOutboxRow:
-    """A row the relay gave up on, as ``worker outbox list`` shows it (without its body)."""
+OUTBOX_STATES = ("pending", "backing-off", "parked")
+"""The states of an unpublished event: ``pending`` (in ``outbox``, due: a relay takes it next),
+``backing-off`` (in ``outbox``, its ``available_at`` still ahead after a failed publish) and
+``parked`` (in ``outbox_parked``: the relay gave up on it)."""
 
+RETRY_STATES = OUTBOX_STATES[1:]
+"""The states ``worker outbox retry`` acts on (a pending row is due already)."""
+
+
+@dataclass(frozen=True)
+class OutboxEntry:
+    """An unpublished event as ``worker outbox list`` shows it (without its body or headers).
+
+    ``available_at`` is when a relay may next publish it and ``due_in_seconds`` how long that is
+    from the database's ``now()`` (0 once due); both are None for a parked row, and
+    ``parked_at`` is None for any other. ``last_error`` is the last failed publish's error (kept
+    by a row moved back from ``outbox_parked`` until a new failure replaces it).
+    """
+
+    state: str
     id: int
     message_id: uuid.UUID
     exchange: str
     routing_key: str
+    ordering_key: str | None
     attempts: int
     last_error: str | None
     created_at: datetime
-    parked_at: datetime
-    ordering_key: str | None
+    available_at: datetime | None
+    due_in_seconds: float | None
+    parked_at: datetime | None
 
 
-async def parked_outbox(conn: AsyncConnection, limit: int) -> list[ParkedOutboxRow]:
-    """Up to ``limit`` rows of ``outbox_parked``, parked longest first."""
-    columns = [outbox_parked.c[name] for name in ParkedOutboxRow.__dataclass_fields__]
-    stmt = select(*columns).order_by(outbox_parked.c.parked_at, outbox_parked.c.id).limit(limit)
-    return [ParkedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+_ENTRY_COLUMNS = (
+    *("id", "message_id", "exchange", "routing_key", "ordering_key"),
+    *("attempts", "last_error", "created_at"),
+)
+
+
+def _routing_key_is(table: Any, routing_key: str | None) -> list[Any]:
+    return [] if routing_key is None else [table.c.routing_key == routing_key]
+
+
+async def outbox_entries(
+    conn: AsyncConnection, state: str, limit: int, *, routing_key: str | None = None
+) -> list[OutboxEntry]:
+    """Up to ``limit`` rows in ``state`` (one of ``OUTBOX_STATES``), of ``routing_key`` if given.
+
+    Pending and backing-off rows come in the order the relay takes them (``available_at``, then
+    id), parked rows oldest first (by id, the id they had in the outbox). Each is one range scan
+    of an index (``ix_outbox_available_at_id``, the parked table's primary key) that stops after
+    ``limit`` rows: cheap on an outbox of millions. A ``routing_key`` is a filter on that scan (no
+    index holds it, and one more on the outbox would cost every publish), so a routing key with
+    few rows among many reads further before it finds ``limit`` of them.
+    """
+    if state == "parked":
+        table = outbox_parked
+        extra = [null().label("available_at"), null().label("due_in_seconds"), table.c.parked_at]
+        where = _routing_key_is(table, routing_key)
+        order = [table.c.id]
+    else:
+        table = outbox
+        due_in = func.greatest(func.extract("epoch", table.c.available_at - func.now()), 0)
+        extra = [table.c.available_at, due_in.label("due_in_seconds"), null().label("parked_at")]
+        due = table.c.available_at <= func.now()
+        where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
+        order = [table.c.available_at, table.c.id]
+    stmt = (
+        select(*(table.c[name] for name in _ENTRY_COLUMNS), *extra)
+        .where(*where)
+        .order_by(*order)
+        .limit(limit)
+    )
+    entries = []
+    for row in await conn.execute(stmt):
+        values = row._asdict()
+        if values["due_in_seconds"] is not None:
+            values["due_in_seconds"] = float(values["due_in_seconds"])  # (numeric: a Decimal)
+        entries.append(OutboxEntry(state=state, **values))
+    return entries
+
+
+@dataclass(frozen=True)
+class HurriedOutboxRow:
+    """A backing-off row made due now: its id, message id, routing key and failed attempts."""
+
+    id: int
+    message_id: uuid.UUID
+    routing_key: str
+    attempts: int
+
+
+async def hurry_outbox(
+    conn: AsyncConnection,
+    ids: Sequence[int] | None,
+    *,
+    routing_key: str | None = None,
+    notify: bool = False,
+) -> list[HurriedOutboxRow]:
+    """Make backing-off rows (``available_at`` ahead of the database's ``now()``) due now: those
+    with ``ids``, else those of ``routing_key``, else all; one ``UPDATE``, on the
+    ``available_at`` index's range of rows still ahead.
+
+    A row keeps its ``attempts`` and ``last_error``: it is tried now, not forgiven, so one that
+    fails again backs off from where it was (and is parked after its last attempt). It keeps its
+    id, hence its place among its ordering key's rows. With ``notify``, relays are woken at
+    commit.
+    """
+    if ids is not None and not ids:
+        return []
+    which = [] if ids is None else [outbox.c.id.in_(list(ids))]
+    stmt = (
+        update(outbox)
+        .where(outbox.c.available_at > func.now(), *which, *_routing_key_is(outbox, routing_key))
+        .values(available_at=func.now())
+        .returning(outbox.c.id, outbox.c.message_id, outbox.c.routing_key, outbox.c.attempts)
+    )
+    hurried = [HurriedOutboxRow(**row._asdict()) for row in await conn.execute(stmt)]
+    if hurried:
+        await lock_ordering_keys(conn, (), notify=notify)
+    return sorted(hurried, key=lambda row: row.id)
+
+
+async def pending_outbox_ids(conn: AsyncConnection, ids: Sequence[int]) -> list[int]:
+    """Those of ``ids`` that are in the outbox and due: nothing to hurry, a relay takes them."""
+    due = outbox.c.available_at <= func.now()
+    stmt = select(outbox.c.id).where(outbox.c.id.in_(list(ids)), due)
+    return sorted(row_id for (row_id,) in await conn.execute(stmt))
 
 
 @dataclass(frozen=True)
@@ -191,10 +301,15 @@ class RetriedOutboxRow:
 
 
 async def retry_parked_outbox(
-    conn: AsyncConnection, ids: Sequence[int] | None, *, notify: bool = False
+    conn: AsyncConnection,
+    ids: Sequence[int] | None,
+    *,
+    routing_key: str | None = None,
+    notify: bool = False,
 ) -> list[RetriedOutboxRow]:
-    """Move parked rows (those in ``ids``, or all when None) back into ``outbox`` in one
-    statement: ``DELETE ... RETURNING`` feeding an ``INSERT``, the reverse of ``fail_outbox``.
+    """Move parked rows (those in ``ids``, else those of ``routing_key``, else all) back into
+    ``outbox`` in one statement: ``DELETE ... RETURNING`` feeding an ``INSERT``, the reverse of
+    ``fail_outbox``.
 
     A moved row keeps its ``message_id`` (consumers deduplicate a copy they already got), body,
     headers, ``created_at`` and ``last_error`` (why it was parked, until a new failure replaces
@@ -210,6 +325,7 @@ async def retry_parked_outbox(
     if ids is not None and not ids:
         return []
     which = [] if ids is None else [outbox_parked.c.id.in_(list(ids))]
+    which += _routing_key_is(outbox_parked, routing_key)
     keys = (
         select(outbox_parked.c.ordering_key)
         .distinct()

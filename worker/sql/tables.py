@@ -5,14 +5,17 @@
 output of each committed step of a workflow; ``outbox`` holds events committed with an effect and
 not yet confirmed by the broker; ``outbox_parked`` holds events the relay gave up on after its
 last attempt, for an operator to inspect and retry; ``ingress_requests`` holds one row per
-(handler, idempotency key) that the HTTP ingress accepted, with its payload's fingerprint and the
-message id of the event it appended.
+(handler, client, idempotency key) that the HTTP ingress accepted, with the key its handler runs
+under, its payload's fingerprint and the message id of the event it appended; ``dead_letters``
+holds one row per copy the worker itself parked in the dead-letter queue, the provenance
+``worker dlq`` checks before it replays one.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import (
     BigInteger,
+    Boolean,
     CheckConstraint,
     Column,
     DateTime,
@@ -125,15 +128,39 @@ outbox_parked = Table(
     Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
 )
 
+CLIENT_COMMENT = "the client that posted it; empty: accepted before clients were told apart"
+
 ingress_requests = Table(
     "ingress_requests",
     metadata,
     Column("handler", Text, nullable=False, comment="the handler of the routing key posted to"),
+    Column("client", Text, nullable=False, comment=CLIENT_COMMENT),
     Column("key", Text, nullable=False, comment="the client's Idempotency-Key"),
+    Column("handler_key", Text, nullable=False, comment="the key its handler runs under"),
     Column("routing_key", Text, nullable=False),
     Column("fingerprint", LargeBinary, nullable=False, comment="SHA-256 of the canonical body"),
     Column("message_id", Uuid, nullable=False, comment="the event appended to the outbox"),
     Column("accepted_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
-    PrimaryKeyConstraint("handler", "key"),
+    PrimaryKeyConstraint("handler", "client", "key"),
     Index(None, "accepted_at"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("parking_id", Uuid, primary_key=True, comment="the copy's x-worker-parking-id"),
+    Column("handler", Text, nullable=True),
+    Column("key", Text, nullable=True, comment="the idempotency key the copy was parked with"),
+    Column("reason", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("body_sha256", LargeBinary, nullable=False, comment="SHA-256 of the copy's body"),
+    Column(
+        "failed_key",
+        Boolean,
+        nullable=False,
+        comment="(handler, key) was recorded as failed in the inbox with this parking",
+    ),
+    Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index(None, "parked_at"),
+    Index(None, "handler", "key"),
 )

@@ -6,13 +6,21 @@ A copy keeps the original body and properties; ``x-worker-*`` headers say why (m
 and the routing key it came with. The original is acked only after the broker confirmed the
 copy: a crash in between sends it twice, never zero times.
 
+A parked copy also carries ``x-worker-parking-id``, the id of the worker's own record of it
+(``worker.sql.parkings``), written before the copy is published: the headers are what a copy
+says about itself, the record is what the worker knows. Anyone who can publish to the work
+queue's exchange can make the broker dead-letter a message with headers of their choosing (an
+``expiration``), so only a copy with a record is taken for one the worker parked.
+
 This is the consumer's hot path only; what operators do with parked copies afterwards (``worker
 dlq list``, ``replay``, ``purge``) is ``worker.ops.dlq``, which reads the headers written here.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -23,9 +31,10 @@ from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
 from pamqp.encode import field_table
 
 from worker.core.codec import storable
-from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery
+from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, key_or_none
 from worker.core.handler import Handler
 from worker.errors import HandlerFailed
+from worker.sql.parkings import ParkingRow
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +47,8 @@ FIRST_FAILURE_AT = "x-worker-first-failure-at"
 ORIGINAL_EXCHANGE = "x-worker-original-exchange"
 ORIGINAL_ROUTING_KEY = ROUTING_KEY_HEADER
 DEAD_LETTERED_AT = "x-worker-dead-lettered-at"
+PARKING_ID = "x-worker-parking-id"
+"""The id of the worker's record of a parked copy: a pointer to look the record up, no proof."""
 
 MAX_ERROR_LENGTH = 2000
 
@@ -71,8 +82,9 @@ class Failure:
         return self.delivery.failed_attempts + 1
 
     def headers(self, **extra: Any) -> dict[str, Any]:
-        """The delivery's headers plus the ``x-worker-*`` ones that explain this failure."""
-        headers: dict[str, Any] = dict(self.delivery.headers)
+        """The delivery's headers plus the ``x-worker-*`` ones that explain this failure (and
+        without a parking id it came with: only a parked copy has one, its own)."""
+        headers = {k: v for k, v in self.delivery.headers.items() if k != PARKING_ID}
         now = datetime.now(UTC).isoformat()
         headers.setdefault(FIRST_FAILURE_AT, now)
         headers.setdefault(ORIGINAL_EXCHANGE, self.delivery.exchange)
@@ -89,9 +101,34 @@ class Failure:
             headers[HANDLER] = self.handler
         return headers
 
-    def dead_letter_headers(self, reason: str) -> dict[str, Any]:
-        """``headers`` of the copy parked in the dead-letter queue for ``reason``."""
-        return self.headers(**{REASON: reason, DEAD_LETTERED_AT: datetime.now(UTC).isoformat()})
+    def parking(self, reason: str, *, failed_key: bool) -> ParkingRow:
+        """The worker's record of parking a copy of this delivery for ``reason`` (``failed_key``:
+        its key is recorded as failed in the inbox too), under a new parking id."""
+        return ParkingRow(
+            parking_id=uuid.uuid4(),
+            handler=self.handler,
+            key=key_or_none(self.delivery),
+            reason=reason,
+            routing_key=storable(self.delivery.routing_key, MAX_ERROR_LENGTH),
+            body_sha256=body_digest(self.delivery.body),
+            failed_key=failed_key,
+        )
+
+    def dead_letter_headers(
+        self, reason: str, parking_id: uuid.UUID | None = None
+    ) -> dict[str, Any]:
+        """``headers`` of the copy parked in the dead-letter queue for ``reason``, under the
+        record ``parking_id`` when the worker recorded one."""
+        headers = self.headers(**{REASON: reason, DEAD_LETTERED_AT: datetime.now(UTC).isoformat()})
+        if parking_id is not None:
+            headers[PARKING_ID] = str(parking_id)
+        return headers
+
+
+def body_digest(body: bytes) -> bytes:
+    """The SHA-256 of a message body as it travels (not the canonical fingerprint of its JSON):
+    what ties a parked copy to its record."""
+    return hashlib.sha256(body).digest()
 
 
 class CopyTooLarge(Exception):
@@ -162,12 +199,12 @@ async def park(
     dead_letter_exchange: AbstractExchange,
     message: AbstractIncomingMessage,
     failure: Failure,
-    *,
-    reason: str,
+    parking: ParkingRow,
 ) -> None:
-    """Publish a copy of ``message`` to the dead-letter exchange; return after the confirm."""
+    """Publish a copy of ``message`` to the dead-letter exchange as ``parking`` (recorded before,
+    see the module docstring); return after the confirm."""
     await dead_letter_exchange.publish(
-        copy_of(message, failure.dead_letter_headers(reason)),
+        copy_of(message, failure.dead_letter_headers(parking.reason, parking.parking_id)),
         routing_key=failure.delivery.routing_key,
         mandatory=True,
     )

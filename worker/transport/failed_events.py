@@ -11,6 +11,7 @@ many of them were parked, the last error) when the interval has passed.
 from __future__ import annotations
 
 import logging
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ class FailedEvents:
             exchange,
             "was parked in outbox_parked" if parked else "failed and will be retried",
             error,
-            _fix(error),
+            _fix(error, routing_key),
             self.interval,
         )
 
@@ -92,14 +93,20 @@ class FailedEvents:
             now - pending.since,
             pending.parked,
             pending.last_error,
-            _fix(pending.last_error),
+            _fix(pending.last_error, routing_key),
         )
 
 
-def _fix(error: str) -> str:
-    """What an operator can do about ``error``, when the relay knows."""
+def _fix(error: str, routing_key: str) -> str:
+    """What an operator can do about ``error``, when the relay knows: for an unroutable event,
+    the command that lists its routing key's waiting rows and the one that publishes them now."""
     if error.startswith("returned as unroutable"):
-        return " (bind a queue to the exchange for this routing key; `worker outbox` lists them)"
+        key = shlex.quote(routing_key)
+        return (
+            f" (bind a queue to the exchange for this routing key; `worker outbox list "
+            f"--routing-key {key}` shows the events waiting, and `worker outbox retry "
+            f"--routing-key {key}` publishes them at once after the binding)"
+        )
     if "does not exist" in error:
         return " (declare the exchange, or fix the events' exchange)"
     return ""

@@ -8,7 +8,10 @@ dead-lettering. Every delivery it is given ends in exactly one of them, counted 
 
 Invariant: the delivery is acked only after the broker confirmed the copy it was turned into,
 and parking always ends: once the DLQ copy is confirmed the delivery is acked, even if recording
-its key as failed does not work (the copy is the record). A key is recorded as failed only after
+its key as failed does not work (the copy is the record). Each DLQ copy's parking record (its
+provenance, ``worker.sql.parkings``) is committed before the copy is published; if the database
+cannot take it, nothing is parked: the deliveries return to the queue and consumption pauses, as
+for any fault of the database. A key is recorded as failed only after
 its copy was confirmed, so a recorded failure always has a parked copy. If the copy cannot be
 published while the channel lives, the delivery is handed to the broker's own dead-lettering
 (``reject``) instead of returning to the queue; a copy lost with its channel returns it to the
@@ -54,6 +57,7 @@ from worker.faults import FAILURES_PARKED, FAILURES_RECORDED, crash_point
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
 from worker.sql import inbox
+from worker.sql.parkings import ParkingRow, record_parkings
 from worker.transport import dead_letters
 from worker.transport.acks import Settlements
 from worker.transport.dead_letters import Failure
@@ -126,14 +130,22 @@ def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
     )
 
 
-def _parked_copy(dead_letter_exchange: AbstractExchange, parking: _Parking) -> _Copy:
-    """The copy ``parking`` parks in the dead-letter queue through ``dead_letter_exchange``."""
+def _parked_copy(
+    dead_letter_exchange: AbstractExchange, parking: _Parking, record: ParkingRow
+) -> _Copy:
+    """The copy ``parking`` parks in the dead-letter queue through ``dead_letter_exchange``, as
+    ``record`` says."""
     failed, reason = parking.failed, parking.park.reason
 
     async def publish(_: AbstractExchange) -> None:
-        await dead_letters.park(dead_letter_exchange, failed.message, failed.failure, reason=reason)
+        await dead_letters.park(dead_letter_exchange, failed.message, failed.failure, record)
 
     return _Copy(failed, reason, publish)
+
+
+def _records_key(parking: _Parking) -> bool:
+    """True when ``parking`` records its delivery's key as failed in the inbox."""
+    return parking.failed.envelope is not None and parking.park.record_key
 
 
 class Failures:
@@ -355,16 +367,22 @@ class Failures:
             return
         topology = self._topology()
         assert topology is not None
+        records = [
+            p.failed.failure.parking(p.park.reason, failed_key=_records_key(p)) for p in parkings
+        ]
+        if not await self._record_parkings(parkings, records):
+            return
         copied = await self._copies(
-            [_parked_copy(topology.dead_letter_exchange, parking) for parking in parkings]
+            [
+                _parked_copy(topology.dead_letter_exchange, parking, record)
+                for parking, record in zip(parkings, records, strict=True)
+            ]
         )
         parked = [parking for parking, ok in zip(parkings, copied, strict=True) if ok]
         if not parked:
             return
         crash_point(FAILURES_PARKED, len(parked))
-        await self._record_failures(
-            [p.failed for p in parked if p.failed.envelope is not None and p.park.record_key]
-        )
+        await self._record_failures([p.failed for p in parked if _records_key(p)])
         crash_point(FAILURES_RECORDED, len(parked))
         for parking in parked:
             failure = parking.failed.failure
@@ -378,6 +396,37 @@ class Failures:
                     failure.error,
                 )
         await self.settlements.ack([parking.failed.message for parking in parked])
+
+    async def _record_parkings(
+        self, parkings: Sequence[_Parking], records: Sequence[ParkingRow]
+    ) -> bool:
+        """Commit ``records`` (the provenance of the copies about to be parked), tried again in
+        process while it fails transiently; False when it could not be: then nothing is parked,
+        consumption pauses and the deliveries return to the queue."""
+        try:
+            await backoff.in_process(self.settings.transient_attempts, log)(
+                self._record_parkings_in_one_transaction, records
+            )
+        except Exception as exc:
+            fault = classify(exc)
+            if fault is Fault.PERMANENT:  # a bug, not a message's nor a deployment's fault
+                log.error("parking without a record (replay will need --force)", exc_info=exc)
+                return True
+            reason = (
+                PauseReason.DATABASE_UNREACHABLE
+                if fault is Fault.TRANSIENT
+                else PauseReason.DEPLOYMENT
+            )
+            await self._pause(
+                reason, f"cannot record a dead-letter parking: {logs.describe_error(exc)}"
+            )
+            await self.requeue_all([(p.failed.message, p.failed.failure.handler) for p in parkings])
+            return False
+        return True
+
+    async def _record_parkings_in_one_transaction(self, records: Sequence[ParkingRow]) -> None:
+        async with self.engine.begin() as conn:
+            await record_parkings(conn, records)
 
     async def _copies(self, copies: Sequence[_Copy]) -> list[bool]:
         """Publish the copies failures turn deliveries into, at once; for each, True once the

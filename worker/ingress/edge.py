@@ -1,0 +1,305 @@
+"""What every request to the ingress passes before a route sees it: its access log line, the
+Host check, the cap on requests in flight and a body read whole, within a deadline.
+
+Invariant: a route runs only for a request whose body has fully arrived (or is known to pass
+``max_body_bytes``), whose ``Host`` is allowed, and while fewer than ``ingress_max_requests``
+others are in progress; so at most that many bodies of at most ``max_body_bytes`` are held at
+once, a body that is not sent within ``ingress_body_timeout`` gets a 408, and a client that
+goes away mid-body is a debug line (and status 499 in the access log), never a route's error.
+``/healthz`` passes the Host check, and the probes' paths (``PROBE_PATHS``) the cap: an
+orchestrator's probe names the pod's address and must get through a flood. Nothing here logs a
+token or a body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import time
+from collections.abc import Callable
+from http import HTTPStatus
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from worker import logs
+from worker.ingress.problems import Problem
+from worker.settings import Settings
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("worker.ingress.access")
+
+HEALTH_PATH = "/healthz"
+PROBE_PATHS = frozenset({HEALTH_PATH, "/openapi.json"})
+"""What an orchestrator's probes ask (readiness, liveness): answered past the caps on requests
+and connections, as they hold no body and no database connection but ``/healthz``'s one."""
+CLIENT_CLOSED = 499
+"""The status an access line gives a request whose client went away before its answer (nginx's)."""
+MAX_LOGGED_KEY = 128
+"""Characters of an Idempotency-Key an access line shows at most."""
+TRIM_AFTER_BYTES = 16 * 1024 * 1024
+"""Bodies read since the last trim after which an idle ingress gives freed memory back."""
+
+_KEY_HEADER = b"idempotency-key"
+
+
+class BodyTimeout(Exception):
+    """The client did not send the whole body in time."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before the body ended."""
+
+
+class Edge:
+    """The ASGI middleware in front of the ingress's routes (see the module's invariant)."""
+
+    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+        self.app = app
+        self.max_requests = settings.ingress_max_requests
+        self.max_body_bytes = settings.max_body_bytes
+        self.body_timeout = settings.ingress_body_timeout
+        self.access_log = settings.ingress_access_log
+        self.allowed_hosts = (
+            None
+            if settings.ingress_tokens or "*" in settings.ingress_allowed_hosts
+            else frozenset(host.lower() for host in settings.ingress_allowed_hosts)
+        )
+        self.in_flight = 0
+        self._unreturned = 0
+        self._memory = _Memory()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = [CLIENT_CLOSED]
+
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._guarded(scope, receive, sending)
+        except Exception:
+            if status[0] == CLIENT_CLOSED:  # no answer started: uvicorn answers 500
+                status[0] = HTTPStatus.INTERNAL_SERVER_ERROR
+            raise
+        finally:
+            if self.access_log:
+                log_access(scope, status[0], time.perf_counter() - started)
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == HEALTH_PATH:
+            await self.app(scope, receive, send)
+            return
+        if self.allowed_hosts is not None and not host_allowed(scope, self.allowed_hosts):
+            await host_not_allowed().response(scope["path"])(scope, receive, send)
+            return
+        if scope["path"] in PROBE_PATHS and scope["method"] in ("GET", "HEAD"):
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.max_requests:
+            await busy().response(scope["path"])(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            try:
+                replay = await self._read_body(scope, receive)
+            except BodyTimeout:
+                await body_timeout(self.body_timeout).response(scope["path"])(scope, receive, send)
+                return
+            except ClientGone as gone:
+                log.debug("ingress: %s %s: %s", scope["method"], _path(scope), gone)
+                return
+            await self.app(scope, replay, send)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0 and self._unreturned >= TRIM_AFTER_BYTES:
+                self._unreturned = 0
+                self._memory.trim()
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+        """A ``receive`` that gives the request's whole body as one message, read here within
+        ``body_timeout``; the body is read no further than past ``max_body_bytes`` (the route
+        refuses it then, as it refuses a Content-Length over the limit, which is not read)."""
+        declared = _header(scope, b"content-length")
+        if declared is not None and not within_limit(declared, self.max_body_bytes):
+            return receive  # (refused by the route before it reads a byte)
+        chunks: list[bytes] = []
+        size = 0
+        more = True
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise ClientGone(f"the client went away after {size} bytes of the body")
+                    chunk = message.get("body", b"")
+                    chunks.append(chunk)
+                    size += len(chunk)
+                    self._unreturned += len(chunk)
+                    more = message.get("more_body", False) and size <= self.max_body_bytes
+        except TimeoutError:
+            raise BodyTimeout from None
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        return _replaying(body, receive)
+
+
+def within_limit(content_length: bytes, limit: int) -> bool:
+    """Whether a declared Content-Length is a size of at most ``limit`` (compared by its digits
+    first, so that no length of thousands of digits is ever converted)."""
+    digits = content_length.lstrip(b"0")
+    return (
+        content_length.isdigit() and len(digits) <= len(str(limit)) and int(digits or b"0") <= limit
+    )
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for a body already read: the body as one message, then the client's own."""
+    pending = [body]
+
+    async def replay() -> Message:
+        if pending:
+            return {"type": "http.request", "body": pending.pop(), "more_body": False}
+        return await receive()
+
+    return replay
+
+
+def log_access(scope: Scope, status: int, seconds: float) -> None:
+    """One line for a request: method, path, status, duration, Idempotency-Key, client."""
+    method = scope.get("method", "")
+    path = _path(scope)
+    raw_key = _header(scope, _KEY_HEADER)
+    key = logs.printable(raw_key.decode("utf-8", "replace")) if raw_key is not None else "-"
+    if len(key) > MAX_LOGGED_KEY:
+        key = key[:MAX_LOGGED_KEY] + "..."
+    client = scope.get("client")
+    peer = f"{client[0]}:{client[1]}" if client else "-"
+    milliseconds = round(seconds * 1000, 1)
+    access_log.info(
+        "%s %s %d %.1fms key=%s client=%s",
+        method,
+        path,
+        status,
+        milliseconds,
+        key,
+        peer,
+        extra={
+            logs.FIELDS: {
+                "method": method,
+                "path": path,
+                "status": status,
+                "duration_ms": milliseconds,
+                "key": None if raw_key is None else key,
+                "client": peer,
+            }
+        },
+    )
+
+
+def _path(scope: Scope) -> str:
+    return logs.printable(str(scope.get("path", "")))[:1024]
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    values: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    return next((value for key, value in values if key == name), None)
+
+
+def host_allowed(scope: Scope, allowed: frozenset[str]) -> bool:
+    """Whether the request's ``Host`` (without its port) is one of ``allowed``."""
+    host = _header(scope, b"host")
+    if host is None:
+        return False
+    name = host.decode("latin-1").strip().lower()
+    if name.startswith("["):
+        name = name[: name.find("]") + 1]
+    else:
+        name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+    return name in allowed
+
+
+def host_not_allowed() -> Problem:
+    """A Host the ingress does not serve while it asks no token (a DNS rebinding, or a proxy
+    that should set ``ingress_allowed_hosts``)."""
+    return Problem(
+        HTTPStatus.BAD_REQUEST,
+        "host-not-allowed",
+        "The Host is not allowed",
+        "the ingress serves only the hosts of ingress_allowed_hosts while it asks no token",
+    )
+
+
+def busy() -> Problem:
+    """``ingress_max_requests`` requests are in progress."""
+    return Problem(
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "busy",
+        "The ingress is busy",
+        "too many requests are in progress; send it again, with the same Idempotency-Key, later",
+        # (no Connection: close: closing with the body unread would reset the connection, and
+        # the client could lose the answer; the body is read and dropped, within the header
+        # deadline, and the idle connection is the first closed when they are all open)
+        headers={"Retry-After": "1"},
+    )
+
+
+def body_timeout(seconds: float) -> Problem:
+    """The body did not arrive within ``ingress_body_timeout``."""
+    return Problem(
+        HTTPStatus.REQUEST_TIMEOUT,
+        "body-timeout",
+        "The body took too long",
+        f"the whole body must arrive within {seconds:g} s of the headers",
+        headers={"Connection": "close"},
+    )
+
+
+def overflow_app(settings: Settings) -> Callable[[ASGIApp], ASGIApp]:
+    """What serves a connection over ``ingress_max_connections``, around the application
+    ``app``: the probes' paths as ever (a probe must get through), anything else a 503, and the
+    connection closed."""
+
+    def overflow(app: ASGIApp) -> ASGIApp:
+        async def answer(scope: Scope, receive: Receive, send: Send) -> None:
+            if scope.get("path") in PROBE_PATHS:
+                await app(scope, receive, send)
+                return
+            started = time.perf_counter()
+            problem = Problem(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                "busy",
+                "The ingress is busy",
+                "too many connections are open; connect again later",
+                headers={"Retry-After": "1", "Connection": "close"},
+            )
+            await problem.response(scope.get("path"))(scope, receive, send)
+            if settings.ingress_access_log:
+                log_access(scope, HTTPStatus.SERVICE_UNAVAILABLE, time.perf_counter() - started)
+
+        return answer
+
+    return overflow
+
+
+class _Memory:
+    """glibc's ``malloc_trim``, which gives freed heap pages back to the system: bodies are
+    freed once answered, but the allocator keeps their pages (RSS stays where a flood left it)
+    until asked. Elsewhere than glibc, nothing."""
+
+    def __init__(self) -> None:
+        self._trim: Callable[[int], int] | None = None
+        name = ctypes.util.find_library("c")
+        if name is not None:
+            libc = ctypes.CDLL(name)
+            self._trim = getattr(libc, "malloc_trim", None)
+
+    def trim(self) -> None:
+        if self._trim is not None:
+            self._trim(0)

@@ -1,0 +1,100 @@
+"""The worker's record of each copy it parked in the dead-letter queue: written before the copy
+is published, read by ``worker dlq`` to tell the worker's own copies from any other.
+
+Invariant: every copy the worker publishes to the DLQ has its row, committed before the publish,
+so a copy without one was not parked by this worker (a row without a copy is harmless: the
+janitor expires it after twice the inbox's retention). The row, never the copy's headers, says which
+handler, key, reason and routing key a copy was parked with, and whether its key was recorded as
+failed in the inbox; only then may a replay clear that inbox row.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import delete, exists, func, insert, select
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from worker.sql.inbox import interval
+from worker.sql.tables import dead_letters
+
+
+@dataclass(frozen=True)
+class ParkingRow:
+    """One parking: the copy's ``parking_id`` (its ``x-worker-parking-id`` header), the handler
+    and key it was parked with (None when it had none), why, the routing key the worker routed
+    it by, the SHA-256 of its body, and ``failed_key``: whether (handler, key) was recorded as
+    failed in the inbox with it. ``parked_at`` is the database's clock (None before insert)."""
+
+    parking_id: uuid.UUID
+    handler: str | None
+    key: str | None
+    reason: str
+    routing_key: str
+    body_sha256: bytes
+    failed_key: bool
+    parked_at: datetime | None = None
+
+
+_COLUMNS = [dead_letters.c[name] for name in ParkingRow.__dataclass_fields__]
+
+
+async def record_parkings(conn: AsyncConnection, parkings: Sequence[ParkingRow]) -> None:
+    """Insert ``parkings`` in ``conn``'s transaction (commit it before publishing their copies)."""
+    if not parkings:
+        return
+    await conn.execute(
+        insert(dead_letters),
+        [
+            {
+                "parking_id": p.parking_id,
+                "handler": p.handler,
+                "key": p.key,
+                "reason": p.reason,
+                "routing_key": p.routing_key,
+                "body_sha256": p.body_sha256,
+                "failed_key": p.failed_key,
+            }
+            for p in parkings
+        ],
+    )
+
+
+async def find_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> ParkingRow | None:
+    """The parking recorded as ``parking_id``, or None when the worker recorded none."""
+    row = (
+        await conn.execute(select(*_COLUMNS).where(dead_letters.c.parking_id == parking_id))
+    ).first()
+    return None if row is None else ParkingRow(**row._asdict())
+
+
+async def forget_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> None:
+    """Delete the record of ``parking_id`` (its copy was purged)."""
+    await conn.execute(delete(dead_letters).where(dead_letters.c.parking_id == parking_id))
+
+
+async def is_parked(conn: AsyncConnection, handler: str, key: str) -> bool:
+    """True when the worker parked a copy of (handler, key) in the DLQ whose record is still
+    kept (not purged, not expired; a replayed copy's record is kept too, but then its key has an
+    inbox row, or a new copy): what a "key unknown" answer may point an operator to."""
+    found = exists().where(dead_letters.c.handler == handler, dead_letters.c.key == key)
+    return bool(await conn.scalar(select(found)))
+
+
+async def delete_expired_parkings(conn: AsyncConnection, *, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` parkings recorded longer than twice ``retention`` (the inbox's)
+    seconds ago, oldest first; returns how many. A record outlives its key's failed inbox row,
+    so a forced replay of an old copy still finds it (and clears what is left of that row)."""
+    stale = (
+        select(dead_letters.c.parking_id)
+        .where(dead_letters.c.parked_at < func.now() - interval(2 * retention))
+        .order_by(dead_letters.c.parked_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    result = await conn.execute(delete(dead_letters).where(dead_letters.c.parking_id.in_(stale)))
+    return result.rowcount
