@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from worker.errors import ConfigurationError, NoPrimary, causes, refusals_explained
 from worker.liveness import Liveness
+from worker.logs import describe_error
 from worker.settings import Settings
 from worker.sql import maintenance
 
@@ -271,6 +272,14 @@ async def check_durable_commits(engine: AsyncEngine) -> None:
                 "synchronous_commit is off for the worker's database role: a crash could lose "
                 "a commit whose message was already acked. Set it to 'on' (or stronger)."
             )
+
+
+def unreachable(exc: BaseException, within: float = PROBE_TIMEOUT) -> str:
+    """Why PostgreSQL counts as unreachable, in words, from what ``probe`` raised: a pause's
+    reason, as ``/healthz`` and ``worker status`` show it."""
+    if isinstance(exc, TimeoutError):
+        return f"PostgreSQL unreachable: no answer in {within:g} s"
+    return f"PostgreSQL unreachable: {describe_error(exc)}"
 
 
 async def probe(engine: AsyncEngine, *, within: float = PROBE_TIMEOUT) -> None:

@@ -57,6 +57,8 @@ class Health:
     condition: Callable[[], Mapping[str, object]] | None = None
     probed_at: float = field(default_factory=time.monotonic)
     """``time.monotonic()`` when the last probe finished (before the first: when this was made)."""
+    database_failure: Exception | None = None
+    """What the last probe of PostgreSQL raised, if it failed."""
 
     async def probe(
         self,
@@ -71,6 +73,7 @@ class Health:
             await database.probe(engine)
         except Exception as exc:
             cause = exc
+        self.database_failure = cause
         self.update("database", cause is None, cause)
         # A robust connection stays open while it reconnects: ``connected`` tells the truth.
         self.update("broker", not connection.is_closed and connection.connected.is_set())
@@ -120,6 +123,8 @@ class Monitor:
     ``port`` overrides it (0: an ephemeral port, for tests). Every ``interval`` seconds it probes
     health and refreshes the outbox gauges, and the inbox gauges every ``inbox_interval``.
     ``consuming`` (e.g. ``lambda: not consumer.paused``) is left out in a relay-only process.
+    ``database_unreachable`` is told why each time a probe finds PostgreSQL unreachable (the
+    consumer pauses on it), so a silent network path shows within one round and a probe.
     """
 
     def __init__(
@@ -131,6 +136,7 @@ class Monitor:
         *,
         consuming: Callable[[], bool] | None = None,
         condition: Callable[[], Mapping[str, object]] | None = None,
+        database_unreachable: Callable[[str], None] | None = None,
         port: int | None = None,
         interval: float = REFRESH_INTERVAL,
         inbox_interval: float = INBOX_INTERVAL,
@@ -141,6 +147,7 @@ class Monitor:
         self.metrics = metrics
         self.health = Health(condition=condition)
         self.consuming = consuming
+        self.database_unreachable = database_unreachable
         self.interval = interval
         self.inbox_interval = inbox_interval
         self._port = settings.http_port if port is None else port
@@ -195,6 +202,9 @@ class Monitor:
         """
         await self.health.probe(self.engine, self.connection, self.consuming)
         if not self.health.database:
+            failure = self.health.database_failure
+            if self.database_unreachable is not None and failure is not None:
+                self.database_unreachable(database.unreachable(failure))
             return
         now = asyncio.get_running_loop().time()
         inbox = now >= self._inbox_due

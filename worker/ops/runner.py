@@ -124,6 +124,7 @@ async def _open_monitor(
         metrics,
         consuming=None if consumer is None else (lambda: consumer.consuming),
         condition=None if consumer is None else consumer.condition,
+        database_unreachable=None if consumer is None else consumer.database_unreachable,
     )
     stack.push_async_callback(monitor.close)
     await monitor.start()  # (it logs where it listens)
