@@ -52,7 +52,8 @@ class _Connection(aio_pika.RobustConnection):
     closes itself when connecting fails, and each time a connection is lost or an attempt fails,
     the next attempt goes to the next node. A lost connection and a reconnect are logged."""
 
-    def __init__(self, urls: Sequence[str], name: str, liveness: Liveness) -> None:
+    def __init__(self, urls: Sequence[str], name: str, liveness: Liveness | None = None) -> None:
+        liveness = liveness or Liveness.of(Settings())
         self._nodes = tuple(_with_heartbeat(URL(url), liveness.heartbeat) for url in urls)
         self._node = 0
         self._name = name
