@@ -10,7 +10,7 @@ from yarl import URL
 
 from worker.liveness import Liveness
 from worker.settings import Settings
-from worker.transport.connection import _Connection
+from worker.transport.connection import _Connection, _LiveTransports
 
 LIVENESS = Liveness(keepalive_idle=5, user_timeout=10, connect_timeout=5, heartbeat=10)
 
@@ -72,5 +72,15 @@ async def test_a_broker_url_asks_for_the_chosen_heartbeat_unless_it_sets_its_own
         assert connection.url.query["heartbeat"] == "10"
         connection._next_node()
         assert connection.url == URL("amqp://guest:guest@127.0.0.1:2/?heartbeat=30")
+    finally:
+        await connection.close()
+
+
+async def test_a_broker_connection_opens_its_sockets_with_the_liveness_options() -> None:
+    connection = _Connection(["amqp://guest:guest@127.0.0.1:1/"], "test", LIVENESS)
+    try:
+        factory = connection.kwargs["transport_factory"]
+        assert isinstance(factory, _LiveTransports)
+        assert factory._liveness == LIVENESS
     finally:
         await connection.close()

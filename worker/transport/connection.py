@@ -57,11 +57,9 @@ class _Connection(aio_pika.RobustConnection):
         self._nodes = tuple(_with_heartbeat(URL(url), liveness.heartbeat) for url in urls)
         self._node = 0
         self._name = name
-        super().__init__(
-            self._nodes[0],
-            client_properties={"connection_name": name},
-            transport_factory=_LiveTransports(liveness),
-        )
+        super().__init__(self._nodes[0], client_properties={"connection_name": name})
+        # (aio-pika keeps only the keyword arguments it knows; aiormq's it passes on from here)
+        self.kwargs["transport_factory"] = _LiveTransports(liveness)
 
     async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
         try:
