@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,41 @@ class Workers:
                 process.wait()
 
 
+@dataclass
+class Rig:
+    """What a test here works with: the network to cut, the settings of the workers it starts
+    (logging to ``log_dir``), the connection never cut, and an engine of the test's own."""
+
+    network: Network
+    settings: Settings
+    control: AbstractRobustConnection
+    engine: AsyncEngine
+    log_dir: Path
+
+    async def stream(self, plan: DemoPlan) -> tuple[Workers, Stream]:
+        """Two workers, consuming, and ``plan``'s payments streaming in for ``BEFORE``."""
+        workers = Workers(self.settings, self.log_dir)
+        try:
+            await wait_for_consumer(self.control, self.settings.queue)
+            stream = Stream(self.control, self.settings, plan)
+            stream.start()
+            await asyncio.sleep(BEFORE)
+            assert await applied(self.engine) > 0, workers.log(0)
+        except BaseException:
+            workers.kill()
+            raise
+        return workers, stream
+
+
 @pytest.fixture
-async def engine(partition_settings: Settings) -> AsyncIterator[AsyncEngine]:
-    """The test's own engine on the partition's PostgreSQL."""
+async def rig(
+    network: Network,
+    partition_settings: Settings,
+    control: AbstractRobustConnection,
+    tmp_path: Path,
+) -> AsyncIterator[Rig]:
     engine = create_engine(partition_settings, application_name="partition-test", pool_size=2)
-    yield engine
+    yield Rig(network, partition_settings, control, engine, tmp_path)
     await engine.dispose()
 
 
@@ -155,12 +186,11 @@ async def everything_through(engine: AsyncEngine, plan: DemoPlan, workers: Worke
     await wait_until(through, timeout=180, interval=0.5)
 
 
-async def assert_the_contract(
-    engine: AsyncEngine, plan: DemoPlan, control: AbstractRobustConnection, settings: Settings
-) -> None:
-    await assert_each_payment_applied_once(engine, plan)
-    async with control.channel() as channel:
-        assert await ready_messages(channel, settings.dead_letter_queue) == 0, "parked"
+async def assert_the_contract(rig: Rig, plan: DemoPlan) -> None:
+    """Each payment applied once, every event out, nothing left or parked."""
+    await assert_each_payment_applied_once(rig.engine, plan)
+    async with rig.control.channel() as channel:
+        assert await ready_messages(channel, rig.settings.dead_letter_queue) == 0, "parked"
 
 
 @pytest.mark.parametrize(
@@ -169,25 +199,14 @@ async def assert_the_contract(
     ids=["postgresql-20s", "postgresql-150s", "rabbitmq-20s", "rabbitmq-150s"],
 )
 async def test_a_silent_partition_shows_heals_within_seconds_and_loses_nothing(
-    server: str,
-    seconds: int,
-    network: Network,
-    partition_settings: Settings,
-    control: AbstractRobustConnection,
-    engine: AsyncEngine,
-    tmp_path: Path,
+    server: str, seconds: int, rig: Rig
 ) -> None:
-    settings = partition_settings
+    network, engine = rig.network, rig.engine
     plan = plan_payments(round(RATE * (BEFORE + seconds + AFTER)), 0.2, 8, seed=seconds)
     port = network.pg_port if server == "postgresql" else network.amqp_port
-    workers = Workers(settings, tmp_path)
+    # Given two workers taking a paced stream of payments
+    workers, stream = await rig.stream(plan)
     try:
-        # Given two workers taking a paced stream of payments
-        await wait_for_consumer(control, settings.queue)
-        stream = Stream(control, settings, plan)
-        stream.start()
-        await asyncio.sleep(BEFORE)
-        assert await applied(engine) > 0, workers.log(0)
         await engine.dispose()  # (the test's own connections are not the worker's to lose)
 
         # When the path to the server goes silent
@@ -237,31 +256,23 @@ async def test_a_silent_partition_shows_heals_within_seconds_and_loses_nothing(
         await stream.finished()
         await everything_through(engine, plan, workers)
         await workers.stop()
-        await assert_the_contract(engine, plan, control, settings)
+        await assert_the_contract(rig, plan)
     finally:
         workers.kill()
 
 
 async def test_one_pooled_connection_cut_for_good_is_dropped_and_the_worker_carries_on(
-    network: Network,
-    partition_settings: Settings,
-    control: AbstractRobustConnection,
-    engine: AsyncEngine,
-    tmp_path: Path,
+    rig: Rig,
 ) -> None:
-    settings = partition_settings
+    network, engine = rig.network, rig.engine
     plan = plan_payments(round(RATE * 40), 0.2, 8, seed=40)
-    workers = Workers(settings, tmp_path)
     client_ports = (
         "SELECT client_port FROM pg_stat_activity "
         "WHERE datname = current_database() AND application_name = 'worker'"
     )
+    # Given two workers taking a paced stream of payments, their pools open
+    workers, stream = await rig.stream(plan)
     try:
-        # Given two workers taking a paced stream of payments, their pools open
-        await wait_for_consumer(control, settings.queue)
-        stream = Stream(control, settings, plan)
-        stream.start()
-        await asyncio.sleep(BEFORE)
 
         async def pooled() -> list[int]:
             found = await scalar(engine, f"SELECT array_agg(client_port) FROM ({client_ports}) p")
@@ -285,6 +296,6 @@ async def test_one_pooled_connection_cut_for_good_is_dropped_and_the_worker_carr
             await everything_through(engine, plan, workers)
             print(f"\none pooled connection cut for good: dropped after {gone:.1f} s")
         await workers.stop()
-        await assert_the_contract(engine, plan, control, settings)
+        await assert_the_contract(rig, plan)
     finally:
         workers.kill()
