@@ -8,6 +8,7 @@ import socket
 import pytest
 from yarl import URL
 
+from worker.database import unreachable
 from worker.liveness import Liveness
 from worker.settings import Settings
 from worker.transport.connection import _Connection, _LiveTransports
@@ -84,3 +85,11 @@ async def test_a_broker_connection_opens_its_sockets_with_the_liveness_options()
         assert factory._liveness == LIVENESS
     finally:
         await connection.close()
+
+
+def test_a_pause_says_why_postgresql_counts_as_unreachable() -> None:
+    assert unreachable(TimeoutError()) == "PostgreSQL unreachable: no answer in 5 s"
+    refused = unreachable(ConnectionRefusedError(111, "Connect call failed"))
+    assert (
+        refused == "PostgreSQL unreachable: ConnectionRefusedError: [Errno 111] Connect call failed"
+    )
