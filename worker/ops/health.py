@@ -59,6 +59,9 @@ class Health:
     """``time.monotonic()`` when the last probe finished (before the first: when this was made)."""
     database_failure: Exception | None = None
     """What the last probe of PostgreSQL raised, if it failed."""
+    connection: AbstractConnection | None = None
+    """The broker connection probed: ``report`` reads whether it is up as it answers (from
+    memory), so a lost connection shows at once, not at the next probe."""
 
     async def probe(
         self,
@@ -75,8 +78,8 @@ class Health:
             cause = exc
         self.database_failure = cause
         self.update("database", cause is None, cause)
-        # A robust connection stays open while it reconnects: ``connected`` tells the truth.
-        self.update("broker", not connection.is_closed and connection.connected.is_set())
+        self.connection = connection
+        self.update("broker", _up(connection))
         self.update("consuming", None if consuming is None else consuming())
         self.probed = True
         self.probed_at = time.monotonic()
@@ -99,7 +102,8 @@ class Health:
     def report(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, the ``/healthz`` JSON): every check true, after at least one probe; with
         the consumer's ``condition`` (why it is paused, whether it is throttled) when known."""
-        checks: dict[str, bool] = {"database": self.database, "broker": self.broker}
+        broker = self.broker if self.connection is None else _up(self.connection)
+        checks: dict[str, bool] = {"database": self.database, "broker": broker}
         if self.consuming is not None:
             checks["consuming"] = self.consuming
         condition = self.condition() if self.condition is not None else {}
@@ -114,6 +118,12 @@ class Health:
         age = time.monotonic() - self.probed_at
         alive = age < stuck_after
         return alive, {"status": "alive" if alive else "stuck", "probed_seconds_ago": round(age, 1)}
+
+
+def _up(connection: AbstractConnection) -> bool:
+    """Whether ``connection`` is connected now (a robust connection stays open while it
+    reconnects: ``connected`` tells the truth)."""
+    return not connection.is_closed and connection.connected.is_set()
 
 
 class Monitor:
