@@ -28,6 +28,8 @@ from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from worker.errors import ConfigurationError, NoPrimary, causes, refusals_explained
+from worker.liveness import Liveness
+from worker.logs import describe_error
 from worker.settings import Settings, asyncpg_url, field
 from worker.sql import maintenance
 
@@ -67,19 +69,46 @@ reports (PostgreSQL 14 and later) that, ``on``, say it is not one."""
 
 
 def engine_for(
-    sqlalchemy_url: str, *, application_name: str = "worker", **pool: Any
+    sqlalchemy_url: str,
+    *,
+    application_name: str = "worker",
+    liveness: Liveness | None = None,
+    **pool: Any,
 ) -> AsyncEngine:
     """An engine for ``sqlalchemy_url`` (``postgresql://`` or ``postgresql+asyncpg://``, which
     may carry libpq's TLS options and several hosts: ``asyncpg_url``), with statement parameters
-    hidden from its errors; ``pool`` sizes its pool."""
+    hidden from its errors; ``pool`` sizes its pool.
+
+    Every connection it opens is given ``liveness`` (default: the settings' defaults): a
+    connect timeout, and TCP keepalive and user timeout on both its ends (``worker.liveness``),
+    so a connection whose path went silent fails within seconds and the pool replaces it."""
+    liveness = liveness or Liveness.of(Settings())
     url, connect_args = connect_options(asyncpg_url(sqlalchemy_url))
-    connect_args["server_settings"] = {"application_name": application_name}
+    connect_args["server_settings"] = {
+        "application_name": application_name,
+        **liveness.server_settings(),
+    }
+    connect_args["timeout"] = liveness.connect_timeout
     engine = create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
+    event.listen(engine.sync_engine, "connect", _sockets_configured(liveness))
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
     read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
     event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
     event.listen(engine.sync_engine, "handle_error", _unusable_connection_is_a_disconnect)
     return engine
+
+
+def _sockets_configured(liveness: Liveness) -> Callable[[Any, Any], None]:
+    """A pool ``connect`` hook: the new connection's TCP socket gets ``liveness``'s keepalive
+    and user timeout (asyncpg has no connect argument for them, and libpq's ``keepalives*``
+    URL options mean nothing to it)."""
+
+    def configure(dbapi_connection: Any, _record: Any) -> None:
+        transport = getattr(dbapi_connection.driver_connection, "_transport", None)
+        if transport is not None:
+            liveness.configure(transport.get_extra_info("socket"))
+
+    return configure
 
 
 def _unusable_connection_is_a_disconnect(context: Any) -> None:
@@ -138,6 +167,7 @@ def create_engine(
     return engine_for(
         settings.sqlalchemy_url,
         application_name=application_name,
+        liveness=Liveness.of(settings),
         pool_size=settings.concurrency if pool_size is None else pool_size,
         max_overflow=2,
         pool_timeout=60,
@@ -260,6 +290,14 @@ async def check_durable_commits(engine: AsyncEngine) -> None:
                 "synchronous_commit is off for the worker's database role: a crash could lose "
                 "a commit whose message was already acked. Set it to 'on' (or stronger)."
             )
+
+
+def unreachable(exc: BaseException, within: float = PROBE_TIMEOUT) -> str:
+    """Why PostgreSQL counts as unreachable, in words, from what ``probe`` raised: a pause's
+    reason, as ``/healthz`` and ``worker status`` show it."""
+    if isinstance(exc, TimeoutError):
+        return f"PostgreSQL unreachable: no answer in {within:g} s"
+    return f"PostgreSQL unreachable: {describe_error(exc)}"
 
 
 async def probe(engine: AsyncEngine, *, within: float = PROBE_TIMEOUT) -> None:

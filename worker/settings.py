@@ -624,6 +624,46 @@ class Settings:
         Group.CONSUMER,
         "how long a workflow's owner holds it between steps before another delivery may take over",
     )
+    tcp_keepalive_idle: float = setting(
+        5.0,
+        duration_or_zero,
+        Group.DEPLOYMENT,
+        "seconds a PostgreSQL or RabbitMQ connection may be silent before TCP keepalive probes "
+        "it (then every 2 s), on both ends; 0: the operating system's defaults (2 h on Linux). "
+        "Short, so a silent network partition is noticed, and so a load balancer or NAT never "
+        "sees an idle flow to expire (see Network partitions)",
+    )
+    tcp_user_timeout: float = setting(
+        10.0,
+        duration_or_zero,
+        Group.DEPLOYMENT,
+        "seconds sent data or keepalive probes may go unanswered before a PostgreSQL or "
+        "RabbitMQ connection is dropped as dead (TCP_USER_TIMEOUT, on both ends where the "
+        "platform has it); 0: TCP's retransmissions decide (about 15 min on Linux)",
+    )
+    database_connect_timeout: float = setting(
+        5.0,
+        duration,
+        Group.DEPLOYMENT,
+        "seconds opening one PostgreSQL connection (TCP, TLS, login) may take before the "
+        "attempt counts as failed",
+    )
+    database_timeout: float = setting(
+        30.0,
+        duration,
+        Group.DEPLOYMENT,
+        "seconds each of the worker's own statements (a unit of work's claim and its end, the "
+        "commit, the relay's) may wait on PostgreSQL before it fails transiently and is redone; "
+        "a handler's own statements are not bounded by it (see Network partitions)",
+    )
+    broker_heartbeat: int = setting(
+        10,
+        positive_int,
+        Group.DEPLOYMENT,
+        "AMQP heartbeat in seconds the worker asks the broker for (unless `amqp_url` sets "
+        "`heartbeat`): a broker connection silent for about twice as long is dropped by both "
+        "ends",
+    )
 
     def __post_init__(self) -> None:
         if self.inbox_retention <= self.retry_chain:

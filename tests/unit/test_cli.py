@@ -30,6 +30,11 @@ DEPLOYMENT = {
     "installed_handlers": "false",
     "log_level": "DEBUG",
     "log_format": "json",
+    "tcp_keepalive_idle": "3s",
+    "tcp_user_timeout": "20s",
+    "database_connect_timeout": "7s",
+    "database_timeout": "1m",
+    "broker_heartbeat": "15",
 }
 """Where the deployment is and how to log: scripts pass these flags to every command."""
 

@@ -4,6 +4,7 @@ this, never the worker's settings, so it runs the same under the consumer and th
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,7 +19,9 @@ class UnitOfWorkConfig:
     transaction that appends outbox rows sends one NOTIFY to listening relays at its commit, and
     ``on_events`` (a relay's wake-up, in the same process) is called after that commit;
     ``workflow_lease`` is how long, in seconds, a workflow's owner holds it between steps;
-    ``contention`` which handlers' batches take turns (share one between a process's consumers).
+    ``contention`` which handlers' batches take turns (share one between a process's consumers);
+    ``database_timeout`` how long, in seconds, each of the unit of work's own steps (its claim,
+    its end and commit) may wait on PostgreSQL (None: as long as it takes).
     """
 
     exchange: str
@@ -26,6 +29,12 @@ class UnitOfWorkConfig:
     on_events: Callable[[], None] | None = None
     workflow_lease: float = 30.0
     contention: Contention = field(default_factory=Contention, compare=False)
+    database_timeout: float | None = None
+
+    def bound(self, deadline: asyncio.Timeout) -> None:
+        """Give the unit of work's own next step ``database_timeout`` seconds from now."""
+        if self.database_timeout is not None:
+            deadline.reschedule(asyncio.get_running_loop().time() + self.database_timeout)
 
     def committed_events(self) -> None:
         """Tell the in-process relay that a commit added outbox rows."""

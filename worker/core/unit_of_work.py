@@ -9,10 +9,18 @@ the outbox. Either all of it commits or none of it does; the caller acks the del
 
 Keys are claimed in (handler, key) order, so two concurrent batches wait on each other's keys in
 the same order and cannot deadlock on them; a key delivered twice in one batch runs once.
+
+The unit of work's own steps are bounded (``UnitOfWorkConfig.database_timeout``): the claim, and
+the end of the batch through its commit, each fail with ``TimeoutError`` (transient: redone)
+past it, so no unit of work waits for ever on a database that does not answer. The handlers'
+time between them is theirs: a handler's long query is never cut by the worker (a dead network
+path still ends it, through the connection's TCP liveness, ``worker.liveness``); a handler that
+wants a bound of its own sets ``SET LOCAL statement_timeout`` in its transaction.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,9 +88,11 @@ async def process_batch(
     for index in sorted(range(len(envelopes)), key=lambda i: envelopes[i].inbox_key):
         by_key.setdefault(envelopes[index].inbox_key, []).append(index)
     firsts = [envelopes[indices[0]] for indices in by_key.values()]
-    async with engine.connect() as conn, conn.begin():
+    async with asyncio.timeout(None) as deadline, engine.connect() as conn, conn.begin():
+        config.bound(deadline)
         driver = await in_transaction(conn)
         claims = await claim_all(driver, firsts)
+        deadline.reschedule(None)  # the handlers' time is theirs
         runnable = [e for e in firsts if claims[e.inbox_key] is None]
         contexts = [Context(conn, e, config.exchange, asyncpg=driver) for e in runnable]
         try:
@@ -90,6 +100,7 @@ async def process_batch(
             results = await isolation.run(contexts)
             done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
             events = [m for ctx in done for m in ctx.outbox]
+            config.bound(deadline)  # the end of the batch, through its commit
             await finish_batch(
                 driver,
                 # the claims say completed already: only a result needs writing

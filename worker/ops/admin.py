@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
 from worker.errors import AccessRefused, ConfigurationError, Service, cannot_reach, innermost
+from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops.http import local_url
 from worker.settings import Settings, format_duration
@@ -194,7 +195,12 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
         return await _with_engine(settings, database_status)
 
     async def read_broker() -> list[QueueStatus]:
-        connection = await connect(settings.amqp_url, name=APPLICATION_NAME, within=answer_within)
+        connection = await connect(
+            settings.amqp_url,
+            name=APPLICATION_NAME,
+            within=answer_within,
+            liveness=Liveness.of(settings),
+        )
         async with connection:
             return await queue_status(connection, settings)
 

@@ -61,6 +61,11 @@ class Health:
     condition: Callable[[], Mapping[str, object]] | None = None
     probed_at: float = field(default_factory=time.monotonic)
     """``time.monotonic()`` when the last probe finished (before the first: when this was made)."""
+    database_failure: Exception | None = None
+    """What the last probe of PostgreSQL raised, if it failed."""
+    connection: AbstractConnection | None = None
+    """The broker connection probed: ``report`` reads whether it is up as it answers (from
+    memory), so a lost connection shows at once, not at the next probe."""
     since: dict[str, tuple[object, str]] = field(default_factory=dict)
     """Each of the consumer's conditions that holds now (``paused``, ``throttled``): its value
     and when it was first seen so (ISO 8601, UTC), within a probe's interval."""
@@ -78,9 +83,10 @@ class Health:
             await database.probe(engine)
         except Exception as exc:
             cause = exc
+        self.database_failure = cause
         self.update("database", cause is None, cause)
-        # A robust connection stays open while it reconnects: ``connected`` tells the truth.
-        self.update("broker", not connection.is_closed and connection.connected.is_set())
+        self.connection = connection
+        self.update("broker", _up(connection))
         self.update("consuming", None if consuming is None else consuming())
         self.observed()
         self.probed = True
@@ -104,7 +110,8 @@ class Health:
     def report(self) -> tuple[bool, dict[str, Any]]:
         """(healthy, the ``/healthz`` JSON): every check true, after at least one probe; with
         the consumer's ``condition`` (why it is paused, whether it is throttled) when known."""
-        checks: dict[str, bool] = {"database": self.database, "broker": self.broker}
+        broker = self.broker if self.connection is None else _up(self.connection)
+        checks: dict[str, bool] = {"database": self.database, "broker": broker}
         if self.consuming is not None:
             checks["consuming"] = self.consuming
         condition = self.observed()
@@ -134,6 +141,12 @@ class Health:
         return alive, {"status": "alive" if alive else "stuck", "probed_seconds_ago": round(age, 1)}
 
 
+def _up(connection: AbstractConnection) -> bool:
+    """Whether ``connection`` is connected now (a robust connection stays open while it
+    reconnects: ``connected`` tells the truth)."""
+    return not connection.is_closed and connection.connected.is_set()
+
+
 class Monitor:
     """Serves ``/metrics`` and ``/healthz`` and keeps them current until stopped.
 
@@ -141,6 +154,8 @@ class Monitor:
     ``port`` overrides it (0: an ephemeral port, for tests). Every ``interval`` seconds it probes
     health and refreshes the outbox gauges, and the inbox gauges every ``inbox_interval``.
     ``consuming`` (e.g. ``lambda: not consumer.paused``) is left out in a relay-only process.
+    ``database_unreachable`` is told why each time a probe finds PostgreSQL unreachable (the
+    consumer pauses on it), so a silent network path shows within one round and a probe.
     """
 
     def __init__(
@@ -152,6 +167,7 @@ class Monitor:
         *,
         consuming: Callable[[], bool] | None = None,
         condition: Callable[[], Mapping[str, object]] | None = None,
+        database_unreachable: Callable[[str], None] | None = None,
         port: int | None = None,
         interval: float = REFRESH_INTERVAL,
         inbox_interval: float = INBOX_INTERVAL,
@@ -162,6 +178,7 @@ class Monitor:
         self.metrics = metrics
         self.health = Health(condition=condition)
         self.consuming = consuming
+        self.database_unreachable = database_unreachable
         self.interval = interval
         self.inbox_interval = inbox_interval
         self._port = settings.http_port if port is None else port
@@ -216,6 +233,9 @@ class Monitor:
         """
         await self.health.probe(self.engine, self.connection, self.consuming)
         if not self.health.database:
+            failure = self.health.database_failure
+            if self.database_unreachable is not None and failure is not None:
+                self.database_unreachable(database.unreachable(failure))
             return
         now = asyncio.get_running_loop().time()
         inbox = now >= self._inbox_due

@@ -22,6 +22,7 @@ from worker.backoff import while_starting
 from worker.core.handler import HandlerKind
 from worker.core.router import Router
 from worker.database import check_durable_commits, create_engine
+from worker.liveness import Liveness
 from worker.ops.health import Monitor
 from worker.ops.janitor import Janitor
 from worker.ops.metrics import Metrics
@@ -44,7 +45,7 @@ class Component(Protocol):
 async def connect_broker(settings: Settings, *, name: str = "worker") -> AbstractRobustConnection:
     """A robust broker connection, retried with backoff while the broker starts."""
     connection: AbstractRobustConnection = await while_starting(log, settings.startup_timeout)(
-        connect, settings.amqp_url, name=name
+        connect, settings.amqp_url, name=name, liveness=Liveness.of(settings)
     )
     return connection
 
@@ -123,6 +124,7 @@ async def _open_monitor(
         metrics,
         consuming=None if consumer is None else (lambda: consumer.consuming),
         condition=None if consumer is None else consumer.condition,
+        database_unreachable=None if consumer is None else consumer.database_unreachable,
     )
     stack.push_async_callback(monitor.close)
     await monitor.start()  # (it logs where it listens)

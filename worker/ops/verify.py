@@ -32,6 +32,7 @@ from worker import database
 from worker.core.handler import HandlerKind
 from worker.core.router import Router
 from worker.errors import ConfigurationError, Service, cannot_reach, innermost, refusal
+from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops import admin, plugins
 from worker.ops.dlq import list_parked
@@ -142,7 +143,10 @@ async def check_deployment(
             unreachable.append(Check("database", False, failure))
         try:
             connection = await connect(
-                settings.amqp_url, name=APPLICATION_NAME, within=answer_within
+                settings.amqp_url,
+                name=APPLICATION_NAME,
+                within=answer_within,
+                liveness=Liveness.of(settings),
             )
         except Exception as exc:
             failure = _unreachable(Service.RABBITMQ, settings.amqp_url, exc, answer_within)

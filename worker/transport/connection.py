@@ -21,6 +21,11 @@ thread (``asyncio.to_thread``, a signal handler's thread) there is no loop there
 coroutine is dropped unawaited. A first connect that fails (the broker still starting, a wrong
 password, a missing virtual host) returned such an object to nobody. ``connect`` closes it at
 once instead, so every connection the worker ever created is closed by the worker.
+
+A silent network path (packets dropped, no reset) is noticed within seconds, not after TCP's
+retransmissions: every connection asks for the AMQP heartbeat the settings choose (unless its
+URL sets one), and its socket gets TCP keepalive and TCP_USER_TIMEOUT (``worker.liveness``), so
+a heartbeat left unacknowledged fails the connection and the robust connection reconnects.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ from typing import Any
 
 import aio_pika
 from aio_pika.abc import TimeoutType
+from aiormq.connection import TCPTransportFactory, TLSTransportFactory, TransportFactory
 from yarl import URL
 
-from worker.settings import broker_urls, redact
+from worker.liveness import Liveness
+from worker.settings import Settings, broker_urls, redact
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +52,14 @@ class _Connection(aio_pika.RobustConnection):
     closes itself when connecting fails, and each time a connection is lost or an attempt fails,
     the next attempt goes to the next node. A lost connection and a reconnect are logged."""
 
-    def __init__(self, urls: Sequence[str], name: str) -> None:
-        self._nodes = tuple(URL(url) for url in urls)
+    def __init__(self, urls: Sequence[str], name: str, liveness: Liveness | None = None) -> None:
+        liveness = liveness or Liveness.of(Settings())
+        self._nodes = tuple(_with_heartbeat(URL(url), liveness.heartbeat) for url in urls)
         self._node = 0
         self._name = name
         super().__init__(self._nodes[0], client_properties={"connection_name": name})
+        # (aio-pika keeps only the keyword arguments it knows; aiormq's it passes on from here)
+        self.kwargs["transport_factory"] = _LiveTransports(liveness)
 
     async def connect(self, timeout: TimeoutType = None) -> None:  # noqa: ASYNC109 (aio-pika's)
         try:
@@ -88,6 +98,27 @@ class _Connection(aio_pika.RobustConnection):
         self.url = self._nodes[self._node]
 
 
+class _LiveTransports(TransportFactory):
+    """aiormq's transports (TLS for ``amqps://``), each socket given ``liveness``'s keepalive
+    and user timeout as soon as it is connected."""
+
+    def __init__(self, liveness: Liveness) -> None:
+        self._liveness = liveness
+
+    async def create(
+        self, url: URL, **kwargs: Any
+    ) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        plain = TLSTransportFactory() if url.scheme == "amqps" else TCPTransportFactory()
+        reader, writer = await plain.create(url, **kwargs)
+        self._liveness.configure(writer.get_extra_info("socket"))
+        return reader, writer
+
+
+def _with_heartbeat(url: URL, heartbeat: int) -> URL:
+    """``url`` asking for ``heartbeat`` seconds, unless it asks for a heartbeat of its own."""
+    return url if "heartbeat" in url.query else url.update_query(heartbeat=str(heartbeat))
+
+
 def _reason(closing: asyncio.Future[Any]) -> str:
     """Why a connection closed, from the future aio-pika hands its close callbacks."""
     if closing.cancelled():
@@ -97,12 +128,17 @@ def _reason(closing: asyncio.Future[Any]) -> str:
 
 
 async def connect(
-    url: str | Sequence[str], *, name: str = "worker", within: float | None = None
+    url: str | Sequence[str],
+    *,
+    name: str = "worker",
+    within: float | None = None,
+    liveness: Liveness | None = None,
 ) -> aio_pika.RobustConnection:
     """A robust connection to the first node of ``url`` that answers (one URL, several
     separated by commas, or a sequence of them), named ``name`` in the broker's UI; each node is
     given up after ``within`` seconds if given. Its ``url`` is the node it is connected to (or
-    will try next, while it reconnects).
+    will try next, while it reconnects). ``liveness`` (default: the settings' defaults) says how
+    soon a silent connection counts as lost.
 
     Once open, it reconnects by itself after a loss, to the next node. If no node answers, the
     last node's error is raised, and every half-made connection is already closed.
@@ -110,9 +146,10 @@ async def connect(
     urls = broker_urls(url) if isinstance(url, str) else tuple(url)
     if not urls:
         raise ValueError("no broker URL to connect to")
+    live = liveness or Liveness.of(Settings())
     for first in range(len(urls) - 1):
         try:
-            return await _open(urls[first:] + urls[:first], name, within)
+            return await _open(urls[first:] + urls[:first], name, within, live)
         except Exception as exc:
             log.warning(
                 "cannot connect to RabbitMQ at %s (%r); trying %s",
@@ -120,11 +157,13 @@ async def connect(
                 exc,
                 redact(urls[first + 1]),
             )
-    return await _open(urls[-1:] + urls[:-1], name, within)
+    return await _open(urls[-1:] + urls[:-1], name, within, live)
 
 
-async def _open(urls: Sequence[str], name: str, within: float | None) -> _Connection:
+async def _open(
+    urls: Sequence[str], name: str, within: float | None, liveness: Liveness
+) -> _Connection:
     """A robust connection over ``urls``, opened on the first of them."""
-    connection = _Connection(urls, name)
+    connection = _Connection(urls, name, liveness)
     await connection.connect(timeout=within)
     return connection

@@ -190,6 +190,7 @@ class Consumer:
             notify=settings.outbox_notify,
             on_events=on_events,
             workflow_lease=settings.workflow_lease,
+            database_timeout=settings.database_timeout,
         )
         self.router = router
         self.engine = engine
@@ -549,6 +550,15 @@ class Consumer:
         self.failures.succeeded()
         self._deployment_pauses = 0
 
+    def database_unreachable(self, detail: str) -> None:
+        """Pause as a unit of work that found PostgreSQL unreachable would (the health monitor's
+        probe found it so, ``detail`` says how), without waiting for one: an idle worker shows
+        it too, and no delivery is taken only to be returned."""
+        if self._resuming is None and not self._stopping.is_set():
+            task = asyncio.create_task(self._pause(PauseReason.DATABASE_UNREACHABLE, detail))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
     async def _pause(self, reason: PauseReason, detail: str) -> None:
         """Stop consuming until the fault is gone; return once the broker confirmed it.
 
@@ -575,7 +585,7 @@ class Consumer:
                 )
                 self._resuming = asyncio.create_task(self._resume_after_deployment_fault(wait))
             else:
-                log.error("PostgreSQL is unreachable: consumption paused until it answers again")
+                log.error("%s: consumption paused until it answers again", detail)
                 self._resuming = asyncio.create_task(self._resume_when_database_answers())
 
     async def _resume_after_deployment_fault(self, wait: float) -> None:

@@ -177,6 +177,8 @@ class Failures:
         self._channel = channel
         self._topology = topology
         self._pause = pause
+        self._unreachable_because = "PostgreSQL unreachable"
+        """What the last probe that failed said, for a pause's reason."""
         self._dead_letters_in_a_row = 0
         self._beside_successes = 0
         self._copies_lost: OrderedDict[tuple[object, ...], None] = OrderedDict()
@@ -272,7 +274,7 @@ class Failures:
         """Carry out a decision that parks nothing: a pause, or a delayed retry."""
         if isinstance(decision, Pause):
             detail = (
-                "PostgreSQL does not answer"
+                self._unreachable_because
                 if decision.reason is PauseReason.DATABASE_UNREACHABLE
                 else logs.describe_error(exc)
             )
@@ -564,5 +566,6 @@ class Failures:
             await database.probe(self.engine)
         except Exception as exc:
             log.warning("PostgreSQL does not answer: %r", exc)
+            self._unreachable_because = database.unreachable(exc)
             return False
         return True

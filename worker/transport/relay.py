@@ -79,6 +79,11 @@ MAX_SHORT_STRING = 255
 """Bytes an AMQP short string (such as the correlation_id property) may hold."""
 
 
+RETRY_MAX = 5.0
+"""Longest wait, in seconds, before the relay tries again after its database or broker failed:
+short, so that it publishes again within seconds of a network path coming back."""
+
+
 def message_of(row: OutboxRow) -> aio_pika.Message:
     """The AMQP message for an outbox row: persistent, identified by the row's message id.
 
@@ -191,7 +196,7 @@ class Relay:
             PIPELINE_DEPTH,
             self.settings.relay_max_attempts,
         )
-        retrying = until_stopped(stop, logger=log)
+        retrying = until_stopped(stop, maximum=RETRY_MAX, logger=log)
         idle = MIN_IDLE
         try:
             while not stop.is_set():
@@ -274,16 +279,22 @@ class Relay:
         keys: set[str] = set()
         outcome: tuple[list[int], dict[int, str], list[int]] | None = None
         try:
-            async with self.engine.connect() as conn, conn.begin():
+            async with (
+                asyncio.timeout(None) as deadline,
+                self.engine.connect() as conn,
+                conn.begin(),
+            ):
+                self._bound(deadline)
                 rows = await outbox.claim_outbox(
                     conn, self.settings.relay_batch_size, busy=self._busy
                 )
+                deadline.reschedule(None)  # publishing has its own bound (PUBLISH_TIMEOUT)
                 keys = {row.ordering_key for row in rows if row.ordering_key is not None}
                 self._busy |= keys
                 if not claimed.done():
                     claimed.set_result(len(rows))
                 if rows:
-                    outcome = await self._settle(conn, rows)
+                    outcome = await self._settle(conn, rows, deadline)
         except BaseException as exc:
             if not claimed.done():
                 if isinstance(exc, asyncio.CancelledError):
@@ -296,15 +307,22 @@ class Relay:
         if outcome is not None:
             self._count(rows, *outcome)
 
+    def _bound(self, deadline: asyncio.Timeout) -> None:
+        """Give the batch's next database step ``database_timeout`` seconds from now."""
+        loop = asyncio.get_running_loop()
+        deadline.reschedule(loop.time() + self.settings.database_timeout)
+
     async def _settle(
-        self, conn: AsyncConnection, rows: list[OutboxRow]
+        self, conn: AsyncConnection, rows: list[OutboxRow], deadline: asyncio.Timeout
     ) -> tuple[list[int], dict[int, str], list[int]]:
-        """Publish ``rows``, then delete the confirmed ones and count a failure on the others;
-        returns the published ids, the failed ones with their errors, and the parked ids."""
+        """Publish ``rows``, then delete the confirmed ones and count a failure on the others
+        (within ``deadline``, rescheduled, through the commit); returns the published ids, the
+        failed ones with their errors, and the parked ids."""
         with tracing.span("outbox publish", {"worker.batch_size": len(rows)}) as span:
             published, failed = await self._publish(rows)
             tracing.set_attribute(span, "worker.failed", len(failed))
         crash_point(RELAY_AFTER_PUBLISH)
+        self._bound(deadline)
         await outbox.delete_outbox(conn, published)
         parked = await outbox.fail_outbox(
             conn,
@@ -434,7 +452,7 @@ class Relay:
         A notification only wakes the relay; polling still finds every row without one, so if
         listening fails for good the relay logs it and goes on polling.
         """
-        retrying = until_stopped(stop, initial=0.5, logger=log)
+        retrying = until_stopped(stop, initial=0.5, maximum=RETRY_MAX, logger=log)
         try:
             await retrying(self._listen_once, stop)
         except Exception:
