@@ -1,5 +1,8 @@
 # The worker image: `worker run` by default; compose also uses it for `worker migrate`,
 # `worker serve` and `worker demo`.
+# Pinned by tag: to pin by digest, resolve it where a registry is reachable
+# (`docker buildx imagetools inspect python:3.11-slim`) and write FROM python:3.11-slim@sha256:...
+# (docs/operations.md, "Docker").
 FROM python:3.11-slim
 
 # A container's network namespace is its own: /healthz and /metrics listen on every interface of

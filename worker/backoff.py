@@ -26,14 +26,20 @@ from tenacity import (
 )
 
 from worker.core.policy import FailureFacts, PolicySettings, RetryInProcess, decide
-from worker.errors import is_transient, is_transient_at_start, refusals_explained
+from worker.errors import (
+    is_transient,
+    is_transient_at_start,
+    refusals_explained,
+    unreachable_service,
+)
 
 log = logging.getLogger("worker")
 
 T = TypeVar("T")
 
 STARTUP_TIMEOUT = 60.0
-"""Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts.
+"""Seconds the worker keeps trying to reach PostgreSQL and RabbitMQ when it starts, unless told
+otherwise (the ``startup_timeout`` setting).
 
 Each policy logs its retries on ``logger``, the caller's, so a warning names who is retrying."""
 
@@ -49,16 +55,35 @@ class _Starting(AsyncRetrying):
             return result
 
 
-def while_starting(logger: logging.Logger = log) -> AsyncRetrying:
-    """Retries for connecting at start, while PostgreSQL or RabbitMQ may still be coming up; a
-    refusal raises ``AccessRefused`` at once."""
+def while_starting(logger: logging.Logger = log, within: float = STARTUP_TIMEOUT) -> AsyncRetrying:
+    """Retries for connecting at start, for ``within`` seconds, while PostgreSQL or RabbitMQ may
+    still be coming up; a refusal raises ``AccessRefused`` at once."""
     return _Starting(
-        stop=stop_after_delay(STARTUP_TIMEOUT),
+        stop=stop_after_delay(within),
         wait=wait_exponential(multiplier=0.2, max=5),
         retry=retry_if_exception(is_transient_at_start),
-        before_sleep=before_sleep_log(logger, logging.WARNING),
+        before_sleep=_not_answering_yet(logger, within),
         reraise=True,
     )
+
+
+def _not_answering_yet(logger: logging.Logger, within: float) -> Callable[[RetryCallState], None]:
+    """A start-up retry's WARNING, as a sentence: who does not answer yet, why, and for how long
+    the worker keeps trying."""
+
+    def warn(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        service = unreachable_service(exc) if exc is not None else None
+        logger.warning(
+            "%s not answering yet (%s: %s); trying again in %.1fs (for up to %.0fs since start)",
+            service.value if service is not None else "a service",
+            type(exc).__name__,
+            exc,
+            state.upcoming_sleep,
+            within,
+        )
+
+    return warn
 
 
 def in_process(attempts: int, logger: logging.Logger = log) -> AsyncRetrying:

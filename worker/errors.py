@@ -11,11 +11,14 @@ import enum
 import re
 import ssl
 from collections.abc import Iterator
+from traceback import walk_tb
 from typing import ClassVar
 
 import aiormq.exceptions
 import asyncpg
 import sqlalchemy.exc
+
+from worker.redaction import redact
 
 
 class WorkerError(Exception):
@@ -334,7 +337,62 @@ def refusal(exc: BaseException) -> AccessRefused | None:
     for current in causes(exc):
         what = _refused(current)
         if what is not None:
+            if _CLOSED_AT_OPEN.match(str(current)):  # (its text shows no more than an object)
+                return AccessRefused(what)
             return AccessRefused(f"{what}; the server said: {_first_line(current)}")
+    return None
+
+
+class Service(enum.Enum):
+    """A service the worker connects to, as an operator names it."""
+
+    POSTGRESQL = "PostgreSQL"
+    RABBITMQ = "RabbitMQ"
+
+
+_CLIENT_MODULES = {
+    Service.POSTGRESQL: ("asyncpg", "sqlalchemy", "alembic"),
+    Service.RABBITMQ: ("aiormq", "aio_pika", "pamqp"),
+}
+"""The top-level packages of each service's client libraries."""
+
+
+_SETTING_OF = {
+    Service.POSTGRESQL: "WORKER_DATABASE_URL (--database-url)",
+    Service.RABBITMQ: "WORKER_AMQP_URL (--amqp-url)",
+}
+
+
+def cannot_reach(service: Service, url: str, cause: str) -> str:
+    """The one sentence for ``service`` not answering at ``url``: what, where (redacted), why
+    (``cause``), and which setting to check."""
+    return (
+        f"cannot reach {service.value} at {redact(url)} ({cause}); is it running and listening "
+        f"there? Check {_SETTING_OF[service]}"
+    )
+
+
+def innermost(exc: BaseException) -> BaseException:
+    """What ``exc`` wraps at the bottom of its chain (``causes``): the driver's own error."""
+    *_, last = causes(exc)
+    return last
+
+
+def unreachable_service(exc: BaseException) -> Service | None:
+    """The service ``exc`` says the worker could not reach: a transient failure (a refused or
+    timed-out connection, a server starting or shutting down; not a refusal of the login,
+    which is an ``AccessRefused``) raised by, or from inside, that service's client library,
+    the innermost exception first. None for any other failure."""
+    if not is_transient(exc) or refusal(exc) is not None:
+        return None
+    for current in reversed(list(causes(exc))):
+        frames = [
+            frame.f_globals.get("__name__", "") for frame, _ in walk_tb(current.__traceback__)
+        ]
+        for module in (type(current).__module__, *reversed(frames)):
+            for service, packages in _CLIENT_MODULES.items():
+                if module.partition(".")[0] in packages:
+                    return service
     return None
 
 
@@ -380,7 +438,7 @@ def _refused(exc: BaseException) -> str | None:
     if isinstance(exc, aiormq.exceptions.InvalidFrameError) and _CLOSED_AT_OPEN.match(str(exc)):
         return (
             "RabbitMQ refused the virtual host: it does not exist or the user has no permission "
-            "on it; fix the path of WORKER_AMQP_URL or the user's permissions"
+            "on it (check the path of WORKER_AMQP_URL, or the user's permissions)"
         )
     if isinstance(exc, asyncpg.PostgresError):
         sqlstate = exc.sqlstate or ""

@@ -2,8 +2,9 @@
 
 While a delivery is handled, every log record carries its ``message_id``, ``key``, ``handler``
 and ``correlation_id`` (a context variable, so concurrent units of work never mix them up). No
-record ever shows a password from a URL: any ``scheme://user:password@host`` in a message or a
-traceback is redacted before it is formatted.
+record ever shows a secret: every formatted record, traceback included, goes through
+``worker.redaction.redact``. The client libraries' records about a reconnect the worker handles
+are demoted to DEBUG (``LibraryNoise``).
 
 No record can forge another: in the text format, a line that starts a record is a record.
 ``printable`` escapes every character that could end a line or drive a terminal (C0 and C1
@@ -19,7 +20,6 @@ import contextlib
 import contextvars
 import json
 import logging
-import re
 import traceback
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
@@ -28,8 +28,9 @@ from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
+from worker import redaction
 from worker.core.envelope import Delivery, Envelope
-from worker.errors import ConfigurationError
+from worker.errors import ConfigurationError, unreachable_service
 from worker.settings import Settings
 
 MESSAGE_FIELDS = ("message_id", "key", "handler", "correlation_id")
@@ -38,8 +39,6 @@ MESSAGE_FIELDS = ("message_id", "key", "handler", "correlation_id")
 _message: contextvars.ContextVar[Mapping[str, str]] = contextvars.ContextVar(
     "worker_message", default=MappingProxyType({})
 )
-
-_PASSWORD_IN_URL = re.compile(r"(?P<prefix>[a-zA-Z][a-zA-Z0-9+.-]*://[^:/@\s]*:)[^@\s]*@")
 
 
 def _escape(code: int) -> str:
@@ -74,9 +73,8 @@ def printable_lines(text: str) -> str:
     return "\n".join(map(printable, text.split("\n")))
 
 
-def redact_text(text: str) -> str:
-    """``text`` with the password of every URL in it replaced by ``***``."""
-    return _PASSWORD_IN_URL.sub(r"\g<prefix>***@", text)
+redact_text = redaction.redact
+"""``text`` with every secret hidden (``worker.redaction.redact``)."""
 
 
 def describe_error(exc: BaseException) -> str:
@@ -196,8 +194,72 @@ class JsonFormatter(logging.Formatter):
         return redact_text(json.dumps(entry, default=str))
 
 
+CLIENT_LIBRARIES = frozenset({"aio_pika", "aiormq", "pamqp", "asyncpg", "asyncio"})
+"""The loggers (by top-level name) whose records ``LibraryNoise`` looks at: the clients of
+PostgreSQL and RabbitMQ, and asyncio (its "exception was never retrieved" of a connection's dead
+task). Not uvicorn: an exception that reaches it failed a request, whatever its cause."""
+
+RECONNECT_MESSAGES = {
+    "Unexpected connection close from remote": logging.DEBUG,
+    "Got frame for closed channel": logging.DEBUG,
+    "Reconnect attempt failed": logging.WARNING,
+}
+"""What aiormq and aio-pika say while a robust connection reconnects, by how the message
+starts, and the level it deserves: the worker logs the loss itself (a WARNING with the cause,
+``worker.transport.connection``); a failed attempt to reconnect it does not, so that one stays a
+WARNING."""
+
+
+class LibraryNoise(logging.Filter):
+    """The client libraries' records about a reconnect the worker handles, demoted.
+
+    A record of ``CLIENT_LIBRARIES`` at WARNING or above is demoted when it is one of
+    ``RECONNECT_MESSAGES``, or when the exception it carries is a failure to reach PostgreSQL or
+    RabbitMQ (``errors.unreachable_service``: a refused or lost connection, raised inside their
+    clients), which the worker retries and reports in its own words; it then goes to DEBUG,
+    with its traceback, and is shown only at that level. Anything else (a library's bug, an
+    unexpected frame, an error the worker does not handle) keeps its level: a real failure
+    still reaches ERROR.
+    """
+
+    def __init__(self, shown_from: int) -> None:
+        super().__init__()
+        self.shown_from = shown_from
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            record.levelno < logging.WARNING
+            or record.name.partition(".")[0] not in CLIENT_LIBRARIES
+        ):
+            return True
+        level = self._demoted_level(record)
+        if level is None or level >= record.levelno:
+            return True
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        if level > logging.DEBUG:
+            record.exc_info, record.exc_text = None, None
+        return level >= self.shown_from
+
+    @staticmethod
+    def _demoted_level(record: logging.LogRecord) -> int | None:
+        template = str(record.msg)
+        for start, level in RECONNECT_MESSAGES.items():
+            if template.startswith(start):
+                return level
+        carried = record.exc_info[1] if record.exc_info else None
+        if carried is None and isinstance(record.args, tuple):
+            carried = next((a for a in record.args if isinstance(a, BaseException)), None)
+        if carried is not None and unreachable_service(carried) is not None:
+            return logging.DEBUG
+        return None
+
+
 def configure(settings: Settings) -> None:
-    """Send the process's logs to stderr in ``settings.log_format`` at ``settings.log_level``."""
+    """Send the process's logs to stderr in ``settings.log_format`` at ``settings.log_level``,
+    the libraries' records about reconnects the worker handles demoted (``LibraryNoise``), and
+    the ingress's tokens hidden from whatever the process prints from now on (URLs' secrets
+    have a shape ``redact_text`` recognises; a token has none)."""
+    redaction.remember(settings.ingress_tokens)
     handler = logging.StreamHandler()
     handler.addFilter(MessageFilter())
     handler.setFormatter(JsonFormatter() if settings.log_format == "json" else TextFormatter())
@@ -208,6 +270,7 @@ def configure(settings: Settings) -> None:
         raise ConfigurationError(
             f"log_level {settings.log_level!r}: must be DEBUG, INFO, WARNING, ERROR or CRITICAL"
         ) from None
+    handler.addFilter(LibraryNoise(root.getEffectiveLevel()))
     root.handlers[:] = [handler]
     logging.getLogger("aio_pika").setLevel(logging.WARNING)
     logging.getLogger("aiormq").setLevel(logging.WARNING)

@@ -17,8 +17,9 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
+from worker import redaction
 from worker.core.codec import DEFAULT_MAX_DEPTH
 from worker.errors import ConfigurationError
 
@@ -105,6 +106,7 @@ def bearer_tokens(raw: str) -> tuple[str, ...]:
     """A comma-separated list of bearer tokens, each ``name:token`` or a bare token (see
     ``token_client``); a value that names no token at all (``,``) is refused, never taken as
     "no authentication"."""
+    _no_placeholder(raw)
     tokens = tuple(part.strip() for part in raw.split(","))
     if not any(tokens):
         raise ValueError("names no token: leave it unset (or empty) for no authentication")
@@ -190,8 +192,28 @@ def broker_urls(raw: str) -> tuple[str, ...]:
     return tuple(part for part in _NEXT_BROKER_URL.split(raw.strip()) if part)
 
 
+_PLACEHOLDER = re.compile(r"<[^<>]*>")
+"""A deployment example's placeholder left in a value: ``<generate: openssl rand -hex 24>``."""
+
+
+def _no_placeholder(raw: str) -> None:
+    if _PLACEHOLDER.search(raw):
+        raise ValueError(
+            "holds a placeholder (<...>) from a deployment example: replace it with a real "
+            "secret, e.g. from `openssl rand -hex 24`"
+        )
+
+
+def postgresql_url(raw: str) -> str:
+    """A PostgreSQL URL, with no placeholder of a deployment example left in it."""
+    _no_placeholder(raw)
+    return raw
+
+
 def broker_url_list(raw: str) -> str:
-    """``raw`` checked to be ``broker_urls`` of the ``amqp`` or ``amqps`` scheme, with a host."""
+    """``raw`` checked to be ``broker_urls`` of the ``amqp`` or ``amqps`` scheme, with a host,
+    and no placeholder of a deployment example left in it."""
+    _no_placeholder(raw)
     urls = broker_urls(raw)
     for url in urls:
         parts = urlsplit(url)
@@ -273,7 +295,7 @@ class Settings:
 
     database_url: str = setting(
         "postgresql://postgres@localhost:5432/postgres",
-        str,
+        postgresql_url,
         Group.DEPLOYMENT,
         "PostgreSQL URL, `postgresql://user:pass@host:port/db` (asyncpg driver); libpq's TLS "
         "options go in its query (see TLS and authentication). Several hosts, tried in turn, "
@@ -287,6 +309,13 @@ class Settings:
         "RabbitMQ URL, `amqp://user:pass@host:port/vhost`; `amqps://` for TLS. Several, "
         "separated by commas, are the nodes of one cluster: connections try them in order, "
         "and one that is lost reconnects to the next (see RabbitMQ clusters)",
+    )
+    startup_timeout: float = setting(
+        60.0,
+        duration_or_zero,
+        Group.DEPLOYMENT,
+        "how long a command keeps trying to reach PostgreSQL and RabbitMQ when it starts (they "
+        "may be starting too) before it exits with status 3; `0`: one attempt",
     )
     exchange: str = setting(
         "events",
@@ -780,13 +809,17 @@ class Field:
         try:
             return self.parse(raw)
         except ValueError as exc:
-            if self.secret:  # (named, never shown: not even in the chained exception)
-                raise ConfigurationError(f"{self.env}: {exc}") from None
-            raise ConfigurationError(f"{self.env}={raw!r}: {exc}") from exc
+            # (a secret named, never shown: not even in the chained exception; others redacted)
+            raise ConfigurationError(f"{self.env}{self.shown(raw)}: {exc}") from None
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
+
+    def shown(self, raw: str) -> str:
+        """``=<raw>`` for an error about a value of this setting, redacted; nothing for a
+        secret."""
+        return "" if self.secret else f"={redaction.redact(repr(raw))}"
 
     @property
     def switch(self) -> bool:
@@ -823,12 +856,6 @@ def field(name: str) -> Field:
 
 
 def redact(url: str) -> str:
-    """``url`` with its password replaced by ``***``, safe to log; each URL of a broker list."""
-    if len(urls := broker_urls(url)) > 1:
-        return ",".join(map(redact, urls))
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """``url`` safe to print (``worker.redaction.redact``: its password, its secret query
+    parameters); each URL of a broker list."""
+    return redaction.redact(url)

@@ -164,7 +164,7 @@ async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
     assert line(text_result.stdout, "outbox backlog") == "0"
 
 
-async def test_status_with_an_unreachable_database_exits_1_and_still_shows_the_broker(
+async def test_status_with_an_unreachable_database_exits_3_and_still_shows_the_broker(
     settings: Settings, amqp: AbstractRobustConnection
 ) -> None:
     await declare(amqp, settings)
@@ -173,14 +173,14 @@ async def test_status_with_an_unreachable_database_exits_1_and_still_shows_the_b
         settings, "status", WORKER_DATABASE_URL="postgresql://postgres@127.0.0.1:1/x"
     )
 
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert "PostgreSQL at postgresql://postgres@127.0.0.1:1/x" in result.stderr
     assert "Traceback" not in result.stderr
     assert line(result.stdout, "database") == "unavailable"
     assert line(result.stdout, f"queue {settings.queue}") == "messages=0 consumers=0"
 
 
-async def test_status_with_an_unreachable_broker_exits_1_and_still_shows_the_database(
+async def test_status_with_an_unreachable_broker_exits_3_and_still_shows_the_database(
     settings: Settings, engine: AsyncEngine
 ) -> None:
     await park(engine, settings)
@@ -189,7 +189,7 @@ async def test_status_with_an_unreachable_broker_exits_1_and_still_shows_the_dat
         settings, "status", "--json", WORKER_AMQP_URL="amqp://guest:secret@127.0.0.1:1/"
     )
 
-    assert result.returncode == 1
+    assert result.returncode == 3
     assert "RabbitMQ at amqp://guest:***@127.0.0.1:1/" in result.stderr
     assert "secret" not in result.stderr + result.stdout
     status = json.loads(result.stdout)

@@ -105,12 +105,17 @@ def test_a_command_that_cannot_reach_its_database_fails_in_json_without_the_pass
             WORKER_DATABASE_URL="postgresql://postgres:hunter2@127.0.0.1:1/x",
         )
 
-        assert result.returncode == 1, command
+        assert result.returncode == 3, command
         assert "hunter2" not in result.stdout + result.stderr
         records = [json.loads(line) for line in (result.stdout + result.stderr).splitlines()]
-        assert [r["level"] for r in records] == ["CRITICAL"], command
+        assert [r["level"] for r in records] == ["ERROR"], command
+        assert (
+            "cannot reach PostgreSQL at postgresql://postgres:***@127.0.0.1:1/x"
+            in (records[0]["message"])
+        )
         assert "ConnectionRefusedError" in records[0]["message"]
-        assert "Traceback" in records[0]["exception"]
+        assert "WORKER_DATABASE_URL" in records[0]["message"]
+        assert "exception" not in records[0]
 
 
 def test_a_configuration_error_still_exits_2_with_its_message() -> None:

@@ -396,7 +396,7 @@ async def test_an_unreachable_database_fails_without_a_traceback(
         settings, WORKER_DATABASE_URL=f"postgresql://postgres:secret@127.0.0.1:1/{uuid.uuid4()}"
     )
 
-    assert result.returncode == 1
-    assert result.stdout.startswith("FAIL database: cannot read PostgreSQL at postgresql://")
+    assert result.returncode == 3
+    assert result.stdout.startswith("FAIL database: cannot reach PostgreSQL at postgresql://")
     assert "secret" not in result.stdout + result.stderr
     assert "Traceback" not in result.stderr

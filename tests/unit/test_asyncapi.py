@@ -89,3 +89,13 @@ def test_the_command_prints_the_document() -> None:
     result = run(WORKER_SCRIPT, "asyncapi", "--handlers", "examples.payments", "--title", "t")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["info"]["title"] == "t"
+
+
+def test_the_title_names_the_handler_modules_even_when_installed() -> None:
+    # Named in the settings: those names; installed (none named): their handlers' modules
+    named = asyncapi.document(payments, SETTINGS.replace(handlers=("examples.payments",)))
+    installed = asyncapi.document(payments, SETTINGS.replace(handlers=()))
+    assert named["info"]["title"] == "examples.payments"
+    modules = {h.func.__module__ for h in payments.handlers()}
+    assert installed["info"]["title"] == ", ".join(sorted(modules))
+    assert installed["info"]["title"].startswith("examples.payments")

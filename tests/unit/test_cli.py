@@ -21,6 +21,7 @@ NEEDS = {"outbox retry": ["--all"], "dlq show": ["sha256:0"]}
 DEPLOYMENT = {
     "database_url": "postgresql://u@db/x",
     "amqp_url": "amqp://u@mq/",
+    "startup_timeout": "5s",
     "exchange": "ex",
     "queue": "q",
     "queue_type": "quorum",

@@ -129,7 +129,8 @@ def container(deployment: str) -> dict[str, Any]:
 
 def environment(container: dict[str, Any]) -> dict[str, str]:
     """The variables a container gets: the ConfigMaps it reads whole, then its own ``env`` (the
-    Secret's values taken from the example Secret), as Kubernetes orders them."""
+    Secret's values taken from the example Secret, its placeholders filled in as a generator
+    would), as Kubernetes orders them."""
     config = {d["metadata"]["name"]: d["data"] for d in of_kind("ConfigMap")}
     secrets = {d["metadata"]["name"]: d["stringData"] for d in of_kind("Secret")}
     env: dict[str, str] = {}
@@ -140,7 +141,8 @@ def environment(container: dict[str, Any]) -> dict[str, str]:
             env[variable["name"]] = variable["value"]
         else:
             ref = variable["valueFrom"]["secretKeyRef"]
-            env[variable["name"]] = secrets[ref["name"]][ref["key"]]
+            example = secrets[ref["name"]][ref["key"]]
+            env[variable["name"]] = re.sub(r"<[^<>]*>", "0123456789abcdef0123456789abcdef", example)
     return env
 
 
@@ -537,6 +539,23 @@ def test_the_autoscaler_keda_makes_from_it_is_valid() -> None:
         "spec": hpa_spec,
     }
     kubernetes_validate.validate(hpa, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_example_secret_cannot_be_used_as_it_is() -> None:
+    """Every value of secret.example.yaml is a placeholder the worker refuses to start with,
+    naming the setting without echoing the value."""
+    from worker.errors import ConfigurationError
+    from worker.settings import Settings
+
+    (secret,) = yaml.safe_load_all(EXAMPLE_SECRET.read_text())
+    values = secret["stringData"]
+    assert set(values) == {"WORKER_DATABASE_URL", "WORKER_AMQP_URL", "WORKER_INGRESS_TOKENS"}
+    for name, value in values.items():
+        with pytest.raises(ConfigurationError, match=f"^{name}.*placeholder") as refused:
+            Settings.load({name: value})
+        assert "openssl rand" in str(refused.value)
+        if name == "WORKER_INGRESS_TOKENS":
+            assert value not in str(refused.value)
 
 
 def test_network_policies_let_in_only_the_ports_each_pod_serves() -> None:

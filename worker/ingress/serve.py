@@ -81,7 +81,9 @@ async def serve(
         settings, application_name=APPLICATION_NAME, pool_size=settings.ingress_pool_size
     )
     try:
-        await while_starting(log)(schema.require_current, engine, settings, router)
+        await while_starting(log, settings.startup_timeout)(
+            schema.require_current, engine, settings, router
+        )
 
         def listening(port: int) -> None:
             log.info(

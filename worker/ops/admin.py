@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -26,9 +28,11 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
+from worker.errors import AccessRefused, ConfigurationError, Service, cannot_reach, innermost
 from worker.liveness import Liveness
 from worker.logs import describe_error
-from worker.settings import Settings, format_duration, redact
+from worker.ops.http import local_url
+from worker.settings import Settings, format_duration
 from worker.sql import inspection
 from worker.sql.tables import INBOX_STATUSES
 from worker.transport.connection import connect
@@ -87,13 +91,51 @@ class DatabaseStatus:
 
 
 @dataclass(frozen=True)
+class ProcessStatus:
+    """What the worker process on this host says of itself at ``url`` (its ``/healthz``):
+    ``health`` is that JSON (``status``, the checks, ``paused`` and ``paused_since``,
+    ``throttled`` and ``throttled_since``), or None with ``error`` when it does not answer."""
+
+    url: str
+    health: dict[str, Any] | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Status:
     """``worker status``: a part is None when its service could not be read, and ``errors``
-    then says why, by part (``database``, ``broker``)."""
+    then says why, by part (``database``, ``broker``); ``process`` is None when this host
+    serves no ``/healthz`` (``http_port`` 0)."""
 
     queues: list[QueueStatus] | None
     database: DatabaseStatus | None
     errors: dict[str, str]
+    process: ProcessStatus | None = None
+
+
+async def local_process(settings: Settings, *, within: float) -> ProcessStatus | None:
+    """Ask the worker on this host (``http_host``:``http_port``) how it is, as ``worker
+    health`` does: a paused or throttled consumer says why and since when; None when the
+    port is 0."""
+    if settings.http_port == 0:
+        return None
+    url = local_url(settings.http_host, settings.http_port, "/healthz")
+
+    def get() -> ProcessStatus:
+        try:
+            with urllib.request.urlopen(url, timeout=within) as response:
+                body = response.read()
+        except urllib.error.HTTPError as error:  # (503: failing or paused; its body says why)
+            body = error.read()
+        except OSError as exc:
+            return ProcessStatus(url, None, f"no answer ({describe_error(exc)})")
+        try:
+            health = json.loads(body)
+        except ValueError:
+            return ProcessStatus(url, None, "the answer is not JSON")
+        return ProcessStatus(url, health if isinstance(health, dict) else None)
+
+    return await asyncio.to_thread(get)
 
 
 async def queue_status(connection: AbstractConnection, settings: Settings) -> list[QueueStatus]:
@@ -163,36 +205,38 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
             return await queue_status(connection, settings)
 
     errors: dict[str, str] = {}
-    database, queues = await asyncio.gather(
-        _part(
-            read_database(),
-            answer_within,
-            errors,
-            "database",
-            f"cannot read PostgreSQL at {redact(settings.database_url)}",
-        ),
-        _part(
-            read_broker(),
-            answer_within,
-            errors,
-            "broker",
-            f"cannot read RabbitMQ at {redact(settings.amqp_url)}",
-        ),
+    process, database, queues = await asyncio.gather(
+        local_process(settings, within=answer_within),
+        _part(read_database(), answer_within, errors, "database", Service.POSTGRESQL, settings),
+        _part(read_broker(), answer_within, errors, "broker", Service.RABBITMQ, settings),
     )
-    return Status(queues=queues, database=database, errors=errors)
+    return Status(queues=queues, database=database, errors=errors, process=process)
 
 
 async def _part(
-    read: Awaitable[_T], answer_within: float, errors: dict[str, str], part: str, failure: str
+    read: Awaitable[_T],
+    answer_within: float,
+    errors: dict[str, str],
+    part: str,
+    service: Service,
+    settings: Settings,
 ) -> _T | None:
-    """``read``'s result, or None with ``failure`` and the cause recorded in ``errors[part]``."""
+    """``read``'s result, or None with why ``service`` could not be read in ``errors[part]``:
+    a refusal's own sentence, else ``cannot_reach``'s. Any other ``ConfigurationError`` (a
+    setting no read can fix) is raised."""
+    url = settings.database_url if service is Service.POSTGRESQL else settings.amqp_url
     try:
         async with asyncio.timeout(answer_within):
             return await read
     except TimeoutError:
-        errors[part] = f"{failure}: no answer within {format_duration(answer_within)}"
+        cause = f"no answer within {format_duration(answer_within)}"
+        errors[part] = cannot_reach(service, url, cause)
+    except AccessRefused as exc:
+        errors[part] = str(exc)
+    except ConfigurationError:
+        raise  # (a setting no read can fix: the command's usage error)
     except Exception as exc:
-        errors[part] = f"{failure}: {describe_error(exc)}"
+        errors[part] = cannot_reach(service, url, describe_error(innermost(exc)))
     return None
 
 

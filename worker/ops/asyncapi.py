@@ -26,6 +26,13 @@ ASYNCAPI_VERSION = "3.0.0"
 REF = "#/components/schemas/{model}"
 
 
+def _modules(router: Router, settings: Settings) -> str:
+    """The handler modules' names, as the title of their document: those the settings name,
+    else (installed as entry points) the modules their handlers are defined in."""
+    named = settings.handlers or sorted({h.func.__module__ for h in router.handlers()})
+    return ", ".join(named) or "worker"
+
+
 def document(router: Router, settings: Settings, *, title: str | None = None) -> dict[str, Any]:
     """The AsyncAPI 3.0 document of ``router``'s handlers, deployed as ``settings`` says."""
     schemas: dict[str, Any] = {}
@@ -75,7 +82,7 @@ def document(router: Router, settings: Settings, *, title: str | None = None) ->
     return {
         "asyncapi": ASYNCAPI_VERSION,
         "info": {
-            "title": title or ", ".join(settings.handlers) or "worker",
+            "title": title or _modules(router, settings),
             "version": _version(),
             "description": (
                 "Messages are handled at most once per idempotency key (the `idempotency-key` "

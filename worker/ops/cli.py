@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import shlex
@@ -30,6 +31,7 @@ from collections.abc import (
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from aio_pika.abc import AbstractRobustConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -38,7 +40,13 @@ if TYPE_CHECKING:
 
 from worker import logs
 from worker.core.router import Router
-from worker.errors import ConfigurationError
+from worker.errors import (
+    ConfigurationError,
+    Service,
+    cannot_reach,
+    innermost,
+    unreachable_service,
+)
 from worker.ops import supervisor
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import FIELDS, Field, Group, Settings, duration, format_duration, positive_int
@@ -73,7 +81,7 @@ READS: Mapping[str, tuple[Group, ...]] = {
     "dlq show": EVERY_COMMAND,
     "dlq replay": (*EVERY_COMMAND, Group.RETRIES),
     "dlq purge": EVERY_COMMAND,
-    "status": (*EVERY_COMMAND, Group.RETRIES),
+    "status": (*EVERY_COMMAND, Group.RETRIES, Group.ENDPOINT),
     "outbox list": EVERY_COMMAND,
     "outbox retry": (*EVERY_COMMAND, Group.NOTIFY),
     "verify": (*EVERY_COMMAND, Group.RETRIES),
@@ -129,24 +137,26 @@ def _add_flag(section: argparse._ArgumentGroup, spec: Field, aliases: Sequence[s
             spec.flag,
             *aliases,
             dest=spec.name,
-            type=_unechoed(spec.parse) if spec.secret else spec.parse,
+            type=_parser_of(spec),
             default=None,
             metavar=spec.name.upper(),
             help=_flag_help(spec),
         )
 
 
-def _unechoed(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """``parse``, whose refusal argparse reports by its reason alone (a ``ValueError`` would be
-    reported with the value given: a secret's)."""
+def _parser_of(spec: Field) -> Callable[[str], Any]:
+    """``spec.parse`` for argparse: its error names the flag's value redacted, or none for a
+    secret (argparse's own message would repeat the value as given)."""
 
-    def parse_secret(raw: str) -> Any:
+    def parse(raw: str) -> Any:
         try:
-            return parse(raw)
+            return spec.parse(raw)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            shown = f"{spec.shown(raw).removeprefix('=')}: " if not spec.secret else ""
+            raise argparse.ArgumentTypeError(f"{shown}{exc}") from None
 
-    return parse_secret
+    parse.__name__ = spec.parse.__name__
+    return parse
 
 
 class _Refused(argparse.Action):
@@ -632,9 +642,9 @@ def _run(settings: Settings, args: argparse.Namespace) -> int:
         return supervisor.run_processes(settings, args.argv)
     router = _handler_modules(settings)
 
-    async def serve(stop: asyncio.Event) -> None:
+    async def serve(stop: asyncio.Event, started: asyncio.Event) -> None:
         supervisor.stop_when_orphaned(stop)
-        await runner.run(settings, router, stop)
+        await runner.run(settings, router, stop, started)
 
     asyncio.run(_until_signalled(serve))
     return 0
@@ -662,24 +672,52 @@ def _serve(settings: Settings, args: argparse.Namespace) -> int:
             "pip install 'rabbit-outbox-worker[http]'"
         ) from exc
     router = _handler_modules(settings)
-    asyncio.run(_until_signalled(lambda stop: serve.serve(settings, router, stop)))
+    asyncio.run(
+        _until_signalled(
+            lambda stop, started: serve.serve(
+                settings, router, stop, started=lambda _port: started.set()
+            )
+        )
+    )
     return 0
 
 
 def _relay(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import runner
 
-    asyncio.run(_until_signalled(lambda stop: runner.run_relay(settings, stop)))
+    asyncio.run(_until_signalled(lambda stop, started: runner.run_relay(settings, stop, started)))
     return 0
 
 
-async def _until_signalled(serve: Callable[[asyncio.Event], Awaitable[object]]) -> None:
-    """Run ``serve`` until SIGTERM or SIGINT sets its stop event."""
-    stop = asyncio.Event()
+async def _until_signalled(
+    serve: Callable[[asyncio.Event, asyncio.Event], Awaitable[object]],
+) -> None:
+    """Run ``serve(stop, started)`` until SIGTERM or SIGINT sets ``stop``.
+
+    Before ``serve`` sets ``started`` (while it connects, retrying PostgreSQL or RabbitMQ for up
+    to a minute), a signal cancels it instead, and ``Interrupted`` is raised once what it opened
+    is closed: nothing was consuming or serving yet, so there is nothing to drain.
+    """
+    stop, started = asyncio.Event(), asyncio.Event()
+    serving = asyncio.current_task()
+    assert serving is not None
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        stop.set()
+        if not started.is_set() and len(received) == 1:
+            serving.cancel()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await serve(stop)
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        await serve(stop, started)
+    except asyncio.CancelledError:
+        if received and not started.is_set():
+            raise Interrupted(received[0]) from None
+        raise
 
 
 def _gc(settings: Settings, args: argparse.Namespace) -> int:
@@ -1026,7 +1064,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
 
     def lines_of(status: admin.Status) -> list[tuple[str, str]]:
-        lines = [*headline(status), *outbox_headline(status), ("", "")]
+        lines = [*headline(status), *process_lines(status), *outbox_headline(status), ("", "")]
         if status.queues is None:
             lines.append(("broker", "unavailable"))
         for queue in status.queues or ():
@@ -1065,6 +1103,26 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
             lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
         return lines
 
+    def process_lines(status: admin.Status) -> list[tuple[str, str]]:
+        """What the worker on this host says at its /healthz: paused or throttled, why and
+        since when (the queues cannot tell: a throttled consumer still consumes)."""
+        process = status.process
+        if process is None:
+            return []
+        if process.health is None:
+            return [("worker on this host", f"{process.error} at {process.url}")]
+        health = process.health
+        lines = [("worker on this host", f"{health.get('status', '?')} at {process.url}")]
+        if paused := health.get("paused"):
+            since = health.get("paused_since", "?")
+            lines.append(("paused", f"{paused} since {since}: {health.get('paused_because', '')}"))
+        if health.get("throttled"):
+            since = health.get("throttled_since", "?")
+            lines.append(
+                ("throttled", f"since {since}: one message at a time after dead letters in a row")
+            )
+        return lines
+
     def outbox_headline(status: admin.Status) -> list[tuple[str, str]]:
         if status.database is None:
             return []
@@ -1084,7 +1142,7 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
             _show(f"{label:<{width}}  {value}".rstrip())
     for error in status.errors.values():
         _show(f"worker: error: {error}", file=sys.stderr)
-    return 1 if status.errors else 0
+    return Exit.UNREACHABLE if status.errors else Exit.OK
 
 
 def _outbox_list(settings: Settings, args: argparse.Namespace) -> int:
@@ -1208,12 +1266,15 @@ def _verify(settings: Settings, args: argparse.Namespace) -> int:
         capture_queue=args.capture_queue,
     )
     checks = asyncio.run(verify.check_deployment(settings, router, options, invariants))
+    unreachable = {check.name for check in checks if not check.ok} & verify.SERVICE_CHECKS
     if args.json:
         print(json.dumps(verify.to_json(checks)))
     else:
         for check in checks:
             _show(f"{'PASS' if check.ok else 'FAIL'} {check.name}: {check.detail}")
-    return 0 if all(check.ok for check in checks) else 1
+    if unreachable:
+        return Exit.UNREACHABLE
+    return Exit.OK if all(check.ok for check in checks) else Exit.FAILED
 
 
 def _health(settings: Settings, args: argparse.Namespace) -> int:
@@ -1327,10 +1388,50 @@ def _show(line: str, file: TextIO | None = None) -> None:
     print(logs.redact_text(logs.printable(line)), file=file)
 
 
+class Exit(enum.IntEnum):
+    """The ``worker`` command's exit statuses (docs/cli.md lists them)."""
+
+    OK = 0
+    FAILED = 1
+    """A check found a failure (``verify``, ``health``), or the command crashed: an unexpected
+    error, logged at CRITICAL with its traceback."""
+    USAGE = 2
+    """A usage or configuration error, a refused login among them: one sentence that names the
+    setting to fix."""
+    UNREACHABLE = 3
+    """PostgreSQL or RabbitMQ could not be reached (after the start-up retries of a long-running
+    command): one sentence naming the service, its URL (redacted) and the setting to fix."""
+    BROKEN_PIPE = 128 + signal.SIGPIPE
+    """The reader of the output went away (``worker status | head -4``): nothing more is said,
+    as a command killed by SIGPIPE, whose status a shell shows as 141."""
+
+
+class Interrupted(Exception):
+    """SIGTERM or SIGINT arrived before the command started serving: it stops at once, with
+    ``128 + signal``, the status a shell shows for a process killed by that signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and Python's flush at exit must not
+    complain about it (the ``signal`` module's documented way out of a broken pipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``worker`` command; its exit status is one of ``Exit`` (or ``128 + signal``)."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except BrokenPipeError:  # (``worker --help | head -1``)
+        _silence_stdout()
+        return Exit.BROKEN_PIPE
     args.argv = argv  # (``worker run --processes N`` gives its children the same arguments)
     try:
         settings = _load_settings(args)
@@ -1339,12 +1440,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(logs.redact_text(logs.printable(str(exc))))
     try:
         result: Any = args.func(settings, args)
+    except BrokenPipeError:
+        _silence_stdout()
+        return Exit.BROKEN_PIPE
+    except Interrupted as exc:
+        _show(f"worker: {args.command} stopped by {exc} while starting", file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        _show(f"worker: {args.command} interrupted (SIGINT)", file=sys.stderr)
+        return 128 + signal.SIGINT
     except ConfigurationError as exc:
+        log.debug("worker %s failed", args.command, exc_info=exc)
         _show(f"worker: error: {exc}", file=sys.stderr)
-        return 2
+        return Exit.USAGE
+    except ChannelNotFoundEntity as exc:  # (a passive declare of a queue nobody declared)
+        log.debug("worker %s failed", args.command, exc_info=exc)
+        _show(
+            f"worker: error: RabbitMQ says {exc.args[0] if exc.args else exc}: declare the "
+            "topology first (`worker declare`, or `worker migrate`), or check WORKER_QUEUE "
+            "and the path of WORKER_AMQP_URL",
+            file=sys.stderr,
+        )
+        return Exit.USAGE
     except Exception as exc:
-        # Through the configured handler: one JSON object with --log-format json, passwords
+        if (service := unreachable_service(exc)) is not None:
+            log.debug("worker %s failed", args.command, exc_info=exc)
+            url = settings.database_url if service is Service.POSTGRESQL else settings.amqp_url
+            sentence = cannot_reach(service, url, logs.describe_error(innermost(exc)))
+            if settings.log_format == "json":  # (what collects the logs reads one object)
+                log.error("worker %s failed: %s", args.command, sentence)
+            else:
+                _show(f"worker: error: {sentence}", file=sys.stderr)
+            return Exit.UNREACHABLE
+        # Through the configured handler: one JSON object with --log-format json, secrets
         # redacted, control characters escaped; never Python's raw traceback.
         log.critical("worker %s failed: %s", args.command, logs.describe_error(exc), exc_info=exc)
-        return 1
+        return Exit.FAILED
     return int(result)

@@ -19,6 +19,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Literal
 
 from aio_pika.abc import AbstractConnection
@@ -39,6 +40,9 @@ REFRESH_INTERVAL = 5.0
 INBOX_INTERVAL = 60.0
 """Seconds between two inbox gauges (``inspection.inbox_gauge``: it reads the whole inbox only
 while the inbox is small)."""
+
+SINCE_WHEN = ("paused", "throttled")
+"""The consumer's conditions whose start ``/healthz`` shows as ``<condition>_since``."""
 
 STUCK_AFTER = 60.0
 """Seconds without a finished probe after which ``/livez`` reports the process stuck. A round of
@@ -62,6 +66,9 @@ class Health:
     connection: AbstractConnection | None = None
     """The broker connection probed: ``report`` reads whether it is up as it answers (from
     memory), so a lost connection shows at once, not at the next probe."""
+    since: dict[str, tuple[object, str]] = field(default_factory=dict)
+    """Each of the consumer's conditions that holds now (``paused``, ``throttled``): its value
+    and when it was first seen so (ISO 8601, UTC), within a probe's interval."""
 
     async def probe(
         self,
@@ -81,6 +88,7 @@ class Health:
         self.connection = connection
         self.update("broker", _up(connection))
         self.update("consuming", None if consuming is None else consuming())
+        self.observed()
         self.probed = True
         self.probed_at = time.monotonic()
 
@@ -106,10 +114,23 @@ class Health:
         checks: dict[str, bool] = {"database": self.database, "broker": broker}
         if self.consuming is not None:
             checks["consuming"] = self.consuming
-        condition = self.condition() if self.condition is not None else {}
+        condition = self.observed()
         healthy = self.probed and all(checks.values()) and "paused" not in condition
         status = "ok" if healthy else ("failing" if self.probed else "starting")
         return healthy, {"status": status, **checks, **condition}
+
+    def observed(self) -> dict[str, object]:
+        """The consumer's ``condition`` now, with ``<condition>_since`` for each of
+        ``SINCE_WHEN`` that holds (whatever paused it: a database outage, a deployment fault,
+        a silent network path), recorded as soon as a probe or a request first sees it."""
+        condition = dict(self.condition()) if self.condition is not None else {}
+        for name in SINCE_WHEN:
+            value = condition.get(name)
+            if value in (None, False):
+                self.since.pop(name, None)
+            elif self.since.get(name, (None,))[0] != value:
+                self.since[name] = (value, datetime.now(UTC).isoformat(timespec="seconds"))
+        return condition | {f"{name}_since": when for name, (_, when) in self.since.items()}
 
     def liveness(self, stuck_after: float = STUCK_AFTER) -> tuple[bool, dict[str, Any]]:
         """(alive, the ``/livez`` JSON): alive while a probe finished within ``stuck_after``

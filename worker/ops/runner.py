@@ -44,7 +44,7 @@ class Component(Protocol):
 
 async def connect_broker(settings: Settings, *, name: str = "worker") -> AbstractRobustConnection:
     """A robust broker connection, retried with backoff while the broker starts."""
-    connection: AbstractRobustConnection = await while_starting(log)(
+    connection: AbstractRobustConnection = await while_starting(log, settings.startup_timeout)(
         connect, settings.amqp_url, name=name, liveness=Liveness.of(settings)
     )
     return connection
@@ -86,7 +86,7 @@ async def _open_engine(
     (the worker's, and ``router``'s handler modules'); raises ``ConfigurationError`` if not."""
     engine = create_engine(settings, **kwargs)
     stack.push_async_callback(engine.dispose)
-    await while_starting(log)(check_durable_commits, engine)
+    await while_starting(log, settings.startup_timeout)(check_durable_commits, engine)
     await schema.require_current(engine, settings, router)
     return engine
 

@@ -31,12 +31,12 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import database
 from worker.core.handler import HandlerKind
 from worker.core.router import Router
-from worker.errors import ConfigurationError
+from worker.errors import ConfigurationError, Service, cannot_reach, innermost, refusal
 from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops import admin, plugins
 from worker.ops.dlq import list_parked
-from worker.settings import Settings, format_duration, redact
+from worker.settings import Settings, format_duration
 from worker.sql import inspection
 from worker.transport.connection import connect
 
@@ -119,6 +119,10 @@ async def verify(
     return checks
 
 
+SERVICE_CHECKS = frozenset({"database", "broker"})
+"""The checks that fail when PostgreSQL or RabbitMQ cannot be read (``worker verify`` exits 3)."""
+
+
 async def check_deployment(
     settings: Settings,
     router: Router,
@@ -135,8 +139,8 @@ async def check_deployment(
         try:
             await database.probe(engine, within=answer_within)
         except Exception as exc:
-            failure = f"cannot read PostgreSQL at {redact(settings.database_url)}"
-            unreachable.append(Check("database", False, _unreachable(failure, exc, answer_within)))
+            failure = _unreachable(Service.POSTGRESQL, settings.database_url, exc, answer_within)
+            unreachable.append(Check("database", False, failure))
         try:
             connection = await connect(
                 settings.amqp_url,
@@ -145,8 +149,8 @@ async def check_deployment(
                 liveness=Liveness.of(settings),
             )
         except Exception as exc:
-            failure = f"cannot reach RabbitMQ at {redact(settings.amqp_url)}"
-            unreachable.append(Check("broker", False, _unreachable(failure, exc, answer_within)))
+            failure = _unreachable(Service.RABBITMQ, settings.amqp_url, exc, answer_within)
+            unreachable.append(Check("broker", False, failure))
             return unreachable
         async with connection:
             if unreachable:
@@ -156,10 +160,14 @@ async def check_deployment(
             )
 
 
-def _unreachable(failure: str, exc: Exception, answer_within: float) -> str:
+def _unreachable(service: Service, url: str, exc: Exception, answer_within: float) -> str:
+    """Why ``service`` at ``url`` could not be read: a refusal's own sentence, else
+    ``cannot_reach``'s."""
     if isinstance(exc, TimeoutError):
-        return f"{failure}: no answer within {format_duration(answer_within)}"
-    return f"{failure}: {describe_error(exc)}"
+        return cannot_reach(service, url, f"no answer within {format_duration(answer_within)}")
+    if (refused := refusal(exc)) is not None:
+        return str(refused)
+    return cannot_reach(service, url, describe_error(innermost(exc)))
 
 
 def name_of(invariant: Invariant) -> str:
