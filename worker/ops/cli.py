@@ -24,7 +24,6 @@ from collections.abc import (
     Awaitable,
     Callable,
     Iterable,
-    Iterator,
     Mapping,
     Sequence,
 )
@@ -801,17 +800,6 @@ def _dlq_selection(args: argparse.Namespace) -> Selection:
     return Selection(key=args.key, reason=args.reason, handler=args.handler)
 
 
-@contextlib.contextmanager
-def _until_the_reader_leaves() -> Iterator[None]:
-    """Output to a pipe whose reader left (``worker dlq list | head -1``) ends quietly: stdout
-    is pointed at /dev/null so that nothing more (not even the exit's flush) raises."""
-    try:
-        yield
-    except BrokenPipeError:
-        with contextlib.suppress(OSError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
 async def _with_dlq(
     settings: Settings, action: Callable[[AbstractRobustConnection, AsyncEngine], Awaitable[_T]]
 ) -> _T:
@@ -844,11 +832,10 @@ def _dlq_list(settings: Settings, args: argparse.Namespace) -> int:
                 shown += 1
         return shown
 
-    with _until_the_reader_leaves():
-        shown = asyncio.run(_with_dlq(settings, show))
-        if not args.json:
-            more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
-            print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
+    shown = asyncio.run(_with_dlq(settings, show))
+    if not args.json:
+        more = f" (the first {limit}: --limit N or --all shows more)" if shown == limit else ""
+        print(f"{shown} parked message(s) shown from {settings.dead_letter_queue}{more}")
     return 0
 
 
@@ -890,9 +877,8 @@ def _dlq_show(settings: Settings, args: argparse.Namespace) -> int:
             f"no message with id {args.id!r} in {settings.dead_letter_queue} "
             "(`worker dlq list` shows each message's id)"
         )
-    with _until_the_reader_leaves():
-        for shown in found:
-            _show_parked(shown, full=args.full)
+    for shown in found:
+        _show_parked(shown, full=args.full)
     return 0
 
 
