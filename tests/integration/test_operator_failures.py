@@ -11,6 +11,7 @@ import json
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import (
     WORKER_SCRIPT,
+    broker_depth,
     close_broker_connections,
     free_port,
     run,
@@ -35,10 +37,11 @@ from tests.helpers import (
     wait_until,
     worker_environ,
 )
-from tests.integration.support import ROOT, declare, start_worker
+from tests.integration.support import ROOT, declare, publish, start_worker
 from tests.integration.tcp_proxy import TcpProxy, tcp_proxy
 from worker.ops.cli import Exit
 from worker.settings import Settings
+from worker.transport.topology import declare_topology
 
 UNREACHABLE_AMQP = "amqp://guest:guest@127.0.0.1:{port}/"
 UNREACHABLE_DATABASE = "postgresql://postgres:pw@127.0.0.1:{port}/nothing"
@@ -191,6 +194,32 @@ def test_a_wrong_virtual_host_is_a_sentence(settings: Settings) -> None:
     assert "RabbitMQ refused the virtual host" in line
     assert "WORKER_AMQP_URL" in line
     assert " object at 0x" not in done.stderr
+
+
+async def test_a_health_port_another_process_holds_stops_run_before_it_consumes(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given a payment waiting in the queue, and the health port taken by another listener
+    channel = await amqp.channel()
+    await declare_topology(channel, settings, ["payment.requested"])
+    payment = {"payment_id": "p1", "account": "a", "amount_cents": 1}
+    await publish(channel, settings, payment, key="held-port-1")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        # When a second worker starts on that port
+        done = await asyncio.to_thread(
+            worker, settings, "run", WORKER_HTTP_HOST="127.0.0.1", WORKER_HTTP_PORT=str(port)
+        )
+
+    # Then it stops in one sentence naming the setting, before it took the payment
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert traceback_lines(done.stderr) == []
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
+    assert f"127.0.0.1:{port}" in line
+    assert "WORKER_HTTP_PORT (--http-port)" in line
+    assert not [r for r in records(done.stderr) if r[0] in ("ERROR", "CRITICAL")]
+    assert await scalar(engine, "SELECT count(*) FROM inbox") == 0
+    assert await broker_depth(settings.queue) == 1
 
 
 @pytest.mark.parametrize(

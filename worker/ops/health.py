@@ -27,7 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import database
 from worker.backoff import first
-from worker.errors import is_transient
+from worker.errors import ConfigurationError, is_transient
 from worker.ops.http import HttpServer
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
@@ -198,7 +198,15 @@ class Monitor:
             server = HttpServer(
                 self.metrics, self.health, max_connections=self.settings.http_max_connections
             )
-            await server.start(self.settings.http_host, self._port)
+            try:
+                await server.start(self.settings.http_host, self._port)
+            except OSError as exc:
+                raise ConfigurationError(
+                    f"cannot serve /healthz and /metrics on {self.settings.http_host}:"
+                    f"{self._port} ({exc.strerror or exc}): another process listens there, or "
+                    "the address is not this host's; set WORKER_HTTP_PORT (--http-port) or "
+                    "WORKER_HTTP_HOST (--http-host)"
+                ) from exc
             self._server = server
             log.info("serving /metrics and /healthz on %s:%d", self.settings.http_host, server.port)
         return self.port

@@ -193,6 +193,9 @@ async def run(
             on_events=relay.wake if relay else None,
             metrics=metrics,
         )
+        # (the health endpoint listens first: a port another process holds stops the worker
+        # before it takes a delivery)
+        monitor = await _open_monitor(stack, settings, connection, metrics, consumer)
         await consumer.start()
         if any(h.kind is HandlerKind.WORKFLOW for h in router.handlers()) and (
             settings.workflow_lease >= settings.retry_chain
@@ -208,7 +211,7 @@ async def run(
             components["relay"] = relay
         if settings.janitor:
             components["janitor"] = Janitor(settings, engine, stats, metrics)
-        components["monitor"] = await _open_monitor(stack, settings, connection, metrics, consumer)
+        components["monitor"] = monitor
 
         async def drain() -> None:
             log.info(
