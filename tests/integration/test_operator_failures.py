@@ -222,6 +222,19 @@ async def test_a_health_port_another_process_holds_stops_run_before_it_consumes(
     assert await broker_depth(settings.queue) == 1
 
 
+def test_an_ingress_port_another_process_holds_names_the_setting(settings: Settings) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = worker(
+            settings, "serve", WORKER_INGRESS_HOST="127.0.0.1", WORKER_INGRESS_PORT=str(port)
+        )
+
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert traceback_lines(done.stderr) == []
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
+    assert "WORKER_INGRESS_PORT (--ingress-port)" in line
+
+
 @pytest.mark.parametrize(
     "argv", [["status"], ["--help"], ["dlq", "list"], ["asyncapi"], ["verify"]]
 )

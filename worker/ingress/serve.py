@@ -183,5 +183,6 @@ async def _serving(server: uvicorn.Server) -> None:
         await server.serve()
     except SystemExit as exc:
         raise ConfigurationError(
-            f"the ingress did not start (uvicorn exited with {exc.code}): see the log above"
+            f"the ingress did not start (uvicorn exited with {exc.code}): see the log above; "
+            "a port another process holds is changed with WORKER_INGRESS_PORT (--ingress-port)"
         ) from None
