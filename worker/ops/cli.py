@@ -35,6 +35,7 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from worker.ops.admin import Status
     from worker.ops.dlq import Outcome, Parked, Selection, Shown
 
 from worker import logs
@@ -1046,83 +1047,93 @@ def _describe(message: Parked) -> str:
     )
 
 
+def _status_lines(status: Status) -> list[tuple[str, str]]:
+    """What ``worker status`` shows, as (label, value) lines in their order."""
+    lines = [
+        *_status_headline(status),
+        *_status_process_lines(status),
+        *_status_outbox_headline(status),
+        ("", ""),
+    ]
+    if status.queues is None:
+        lines.append(("broker", "unavailable"))
+    for queue in status.queues or ():
+        counts = f"messages={queue.messages} consumers={queue.consumers}"
+        lines.append((f"queue {queue.name}", counts if queue.exists else "missing"))
+    if status.database is None:
+        lines.append(("database", "unavailable"))
+        return lines
+    outbox, inbox = status.database.outbox, status.database.inbox
+    lines.append(("outbox waiting for a retry", str(outbox.waiting_for_retry)))
+    lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
+    workflows = str(status.database.workflows.in_progress)
+    if (oldest := status.database.workflows.oldest) is not None:
+        workflows += (
+            f" (oldest: handler={oldest.handler} key={oldest.key} "
+            f"recovery_point={oldest.recovery_point or '-'} "
+            f"updated_at={oldest.updated_at.isoformat()})"
+        )
+    lines.append(("workflows in progress", workflows))
+    return lines
+
+
+def _status_headline(status: Status) -> list[tuple[str, str]]:
+    """What a person needs first: is anyone consuming, how much waits, how much failed."""
+    work = next((q for q in status.queues or () if q.role == "work"), None)
+    parked = next((q for q in status.queues or () if q.role == "dead letters"), None)
+    if work is None:
+        return [("consuming", "unknown: the broker cannot be read")]
+    if not work.exists:
+        lines = [("consuming", f"no: queue {work.name} does not exist (no worker started)")]
+    elif work.consumers:
+        lines = [("consuming", f"yes: {work.consumers} consumer(s) on {work.name}")]
+    else:
+        lines = [("consuming", f"no: nobody consumes {work.name} (stopped, or paused)")]
+    lines.append(("waiting", f"{work.messages or 0} message(s) ready in {work.name}"))
+    if parked is not None:
+        lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
+    return lines
+
+
+def _status_process_lines(status: Status) -> list[tuple[str, str]]:
+    """What the worker on this host says at its /healthz: paused or throttled, why and
+    since when (the queues cannot tell: a throttled consumer still consumes)."""
+    process = status.process
+    if process is None:
+        return []
+    if process.health is None:
+        return [("worker on this host", f"{process.error} at {process.url}")]
+    health = process.health
+    lines = [("worker on this host", f"{health.get('status', '?')} at {process.url}")]
+    if paused := health.get("paused"):
+        since = health.get("paused_since", "?")
+        lines.append(("paused", f"{paused} since {since}: {health.get('paused_because', '')}"))
+    if health.get("throttled"):
+        since = health.get("throttled_since", "?")
+        lines.append(
+            ("throttled", f"since {since}: one message at a time after dead letters in a row")
+        )
+    return lines
+
+
+def _status_outbox_headline(status: Status) -> list[tuple[str, str]]:
+    if status.database is None:
+        return []
+    outbox = status.database.outbox
+    backlog = str(outbox.backlog)
+    if outbox.oldest_age_seconds is not None:
+        backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
+    return [("outbox backlog", backlog), ("outbox parked", str(outbox.parked))]
+
+
 def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
-
-    def lines_of(status: admin.Status) -> list[tuple[str, str]]:
-        lines = [*headline(status), *process_lines(status), *outbox_headline(status), ("", "")]
-        if status.queues is None:
-            lines.append(("broker", "unavailable"))
-        for queue in status.queues or ():
-            counts = f"messages={queue.messages} consumers={queue.consumers}"
-            lines.append((f"queue {queue.name}", counts if queue.exists else "missing"))
-        if status.database is None:
-            lines.append(("database", "unavailable"))
-            return lines
-        outbox, inbox = status.database.outbox, status.database.inbox
-        lines.append(("outbox waiting for a retry", str(outbox.waiting_for_retry)))
-        lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
-        workflows = str(status.database.workflows.in_progress)
-        if (oldest := status.database.workflows.oldest) is not None:
-            workflows += (
-                f" (oldest: handler={oldest.handler} key={oldest.key} "
-                f"recovery_point={oldest.recovery_point or '-'} "
-                f"updated_at={oldest.updated_at.isoformat()})"
-            )
-        lines.append(("workflows in progress", workflows))
-        return lines
-
-    def headline(status: admin.Status) -> list[tuple[str, str]]:
-        """What a person needs first: is anyone consuming, how much waits, how much failed."""
-        work = next((q for q in status.queues or () if q.role == "work"), None)
-        parked = next((q for q in status.queues or () if q.role == "dead letters"), None)
-        if work is None:
-            return [("consuming", "unknown: the broker cannot be read")]
-        if not work.exists:
-            lines = [("consuming", f"no: queue {work.name} does not exist (no worker started)")]
-        elif work.consumers:
-            lines = [("consuming", f"yes: {work.consumers} consumer(s) on {work.name}")]
-        else:
-            lines = [("consuming", f"no: nobody consumes {work.name} (stopped, or paused)")]
-        lines.append(("waiting", f"{work.messages or 0} message(s) ready in {work.name}"))
-        if parked is not None:
-            lines.append(("dead-lettered", f"{parked.messages or 0} in {parked.name}"))
-        return lines
-
-    def process_lines(status: admin.Status) -> list[tuple[str, str]]:
-        """What the worker on this host says at its /healthz: paused or throttled, why and
-        since when (the queues cannot tell: a throttled consumer still consumes)."""
-        process = status.process
-        if process is None:
-            return []
-        if process.health is None:
-            return [("worker on this host", f"{process.error} at {process.url}")]
-        health = process.health
-        lines = [("worker on this host", f"{health.get('status', '?')} at {process.url}")]
-        if paused := health.get("paused"):
-            since = health.get("paused_since", "?")
-            lines.append(("paused", f"{paused} since {since}: {health.get('paused_because', '')}"))
-        if health.get("throttled"):
-            since = health.get("throttled_since", "?")
-            lines.append(
-                ("throttled", f"since {since}: one message at a time after dead letters in a row")
-            )
-        return lines
-
-    def outbox_headline(status: admin.Status) -> list[tuple[str, str]]:
-        if status.database is None:
-            return []
-        outbox = status.database.outbox
-        backlog = str(outbox.backlog)
-        if outbox.oldest_age_seconds is not None:
-            backlog += f" (oldest {outbox.oldest_age_seconds:.1f}s)"
-        return [("outbox backlog", backlog), ("outbox parked", str(outbox.parked))]
 
     status = asyncio.run(admin.status(settings))
     if args.json:
         print(admin.to_json(status))
     else:
-        lines = lines_of(status)
+        lines = _status_lines(status)
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
             _show(f"{label:<{width}}  {value}".rstrip())
