@@ -141,6 +141,13 @@ def until_stopped(
     )
 
 
+def bound_from_now(deadline: asyncio.Timeout, seconds: float | None) -> None:
+    """Move ``deadline`` to ``seconds`` from now (None: no deadline): one step of a transaction
+    bounded on its own (``asyncio.timeout(None)`` around it, rescheduled step by step)."""
+    when = None if seconds is None else asyncio.get_running_loop().time() + seconds
+    deadline.reschedule(when)
+
+
 async def first(
     *awaitables: Awaitable[Any],
     within: float | None = None,

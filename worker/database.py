@@ -82,7 +82,7 @@ def engine_for(
     Every connection it opens is given ``liveness`` (default: the settings' defaults): a
     connect timeout, and TCP keepalive and user timeout on both its ends (``worker.liveness``),
     so a connection whose path went silent fails within seconds and the pool replaces it."""
-    liveness = liveness or Liveness.of(Settings())
+    liveness = liveness or Liveness.default()
     url, connect_args = connect_options(asyncpg_url(sqlalchemy_url))
     connect_args["server_settings"] = {
         "application_name": application_name,

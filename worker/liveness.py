@@ -12,6 +12,7 @@ vanished ends, rolling back its transaction and releasing its locks, within the 
 
 from __future__ import annotations
 
+import functools
 import math
 import socket
 from dataclasses import dataclass
@@ -40,6 +41,12 @@ class Liveness:
             connect_timeout=settings.database_connect_timeout,
             heartbeat=settings.broker_heartbeat,
         )
+
+    @classmethod
+    @functools.cache
+    def default(cls) -> Liveness:
+        """The settings' defaults, for a connection made without settings at hand."""
+        return cls.of(Settings())
 
     @property
     def keepalive_count(self) -> int:

@@ -13,6 +13,7 @@ from aio_pika.exceptions import CONNECTION_EXCEPTIONS
 from examples.payments import router as payments
 from tests.helpers import free_port
 from worker.errors import ConfigurationError
+from worker.liveness import Liveness
 from worker.ops import asyncapi
 from worker.settings import Settings, broker_urls, redact
 from worker.transport.connection import _Connection, connect
@@ -62,7 +63,8 @@ def test_redact_hides_the_password_of_every_url_of_a_list() -> None:
 
 async def test_each_failed_attempt_moves_the_next_one_on_to_the_next_node() -> None:
     ports = [free_port() for _ in range(3)]
-    connection = _Connection([f"amqp://guest:guest@127.0.0.1:{port}/" for port in ports], "test")
+    urls = [f"amqp://guest:guest@127.0.0.1:{port}/" for port in ports]
+    connection = _Connection(urls, "test", Liveness.default())
     tried = []
     try:
         for _ in range(4):

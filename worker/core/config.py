@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from worker.backoff import bound_from_now
 from worker.core.contention import Contention
 
 
@@ -33,8 +34,7 @@ class UnitOfWorkConfig:
 
     def bound(self, deadline: asyncio.Timeout) -> None:
         """Give the unit of work's own next step ``database_timeout`` seconds from now."""
-        if self.database_timeout is not None:
-            deadline.reschedule(asyncio.get_running_loop().time() + self.database_timeout)
+        bound_from_now(deadline, self.database_timeout)
 
     def committed_events(self) -> None:
         """Tell the in-process relay that a commit added outbox rows."""

@@ -42,7 +42,7 @@ from aiormq.connection import TCPTransportFactory, TLSTransportFactory, Transpor
 from yarl import URL
 
 from worker.liveness import Liveness
-from worker.settings import Settings, broker_urls, redact
+from worker.settings import broker_urls, redact
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +52,7 @@ class _Connection(aio_pika.RobustConnection):
     closes itself when connecting fails, and each time a connection is lost or an attempt fails,
     the next attempt goes to the next node. A lost connection and a reconnect are logged."""
 
-    def __init__(self, urls: Sequence[str], name: str, liveness: Liveness | None = None) -> None:
-        liveness = liveness or Liveness.of(Settings())
+    def __init__(self, urls: Sequence[str], name: str, liveness: Liveness) -> None:
         self._nodes = tuple(_with_heartbeat(URL(url), liveness.heartbeat) for url in urls)
         self._node = 0
         self._name = name
@@ -146,7 +145,7 @@ async def connect(
     urls = broker_urls(url) if isinstance(url, str) else tuple(url)
     if not urls:
         raise ValueError("no broker URL to connect to")
-    live = liveness or Liveness.of(Settings())
+    live = liveness or Liveness.default()
     for first in range(len(urls) - 1):
         try:
             return await _open(urls[first:] + urls[:first], name, within, live)

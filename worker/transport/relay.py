@@ -45,7 +45,7 @@ from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnec
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import tracing
-from worker.backoff import first, until_stopped
+from worker.backoff import bound_from_now, first, until_stopped
 from worker.core.envelope import CORRELATION_HEADER
 from worker.errors import Retryable
 from worker.faults import RELAY_AFTER_PUBLISH, RELAY_MID_BATCH, crash_point
@@ -309,8 +309,7 @@ class Relay:
 
     def _bound(self, deadline: asyncio.Timeout) -> None:
         """Give the batch's next database step ``database_timeout`` seconds from now."""
-        loop = asyncio.get_running_loop()
-        deadline.reschedule(loop.time() + self.settings.database_timeout)
+        bound_from_now(deadline, self.settings.database_timeout)
 
     async def _settle(
         self, conn: AsyncConnection, rows: list[OutboxRow], deadline: asyncio.Timeout
