@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from worker.ingress.edge import host_allowed, within_limit
+from worker.ingress.edge import host_allowed
+from worker.ingress.reading import within_limit
 
 ALLOWED = frozenset({"localhost", "127.0.0.1", "[::1]"})
 

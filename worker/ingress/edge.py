@@ -25,6 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from worker import logs
 from worker.ingress.problems import Problem
+from worker.ingress.reading import within_limit
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -148,15 +149,6 @@ class Edge:
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
         return _replaying(body, receive)
-
-
-def within_limit(content_length: bytes, limit: int) -> bool:
-    """Whether a declared Content-Length is a size of at most ``limit`` (compared by its digits
-    first, so that no length of thousands of digits is ever converted)."""
-    digits = content_length.lstrip(b"0")
-    return (
-        content_length.isdigit() and len(digits) <= len(str(limit)) and int(digits or b"0") <= limit
-    )
 
 
 def _replaying(body: bytes, receive: Receive) -> Receive:

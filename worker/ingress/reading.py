@@ -30,8 +30,6 @@ from worker.ingress.problems import unsupported_media_type
 from worker.settings import MAX_CLIENT_NAME_LENGTH
 
 _KEY_HEADER = IDEMPOTENCY_KEY_HEADER.encode("latin-1")
-_LONGEST_LENGTH = len(str(2**63))
-"""Digits of a Content-Length that could still be a size (longer: too large in any case)."""
 
 HTTP_KEY_PREFIX = "http:"
 """Opens every key the ingress hands a handler (``handler_key``)."""
@@ -84,11 +82,20 @@ def json_content_type(request: Request) -> str:
     return content_type
 
 
+def within_limit(content_length: bytes, limit: int) -> bool:
+    """Whether a declared Content-Length is a size of at most ``limit`` (compared by its digits
+    first, so that no length of thousands of digits is ever converted)."""
+    digits = content_length.lstrip(b"0")
+    return (
+        content_length.isdigit() and len(digits) <= len(str(limit)) and int(digits or b"0") <= limit
+    )
+
+
 async def read_body(request: Request, limit: int) -> bytes:
     """The request's body, at most ``limit`` bytes; ``BodyTooLarge`` as soon as it is known to
     be longer (from its Content-Length, before reading; else once the bytes read pass it)."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and (len(declared) > _LONGEST_LENGTH or int(declared) > limit):
+    if declared.isascii() and declared.isdigit() and not within_limit(declared.encode(), limit):
         raise BodyTooLarge(f"Content-Length is {declared[:40]} bytes; the limit is {limit}")
     chunks: list[bytes] = []
     size = 0
