@@ -886,6 +886,8 @@ def _dlq_show(settings: Settings, args: argparse.Namespace) -> int:
 def _show_parked(shown: Shown, *, full: bool) -> None:
     """Print one parked message in full, every line escaped (``_show``): a body or a header can
     neither add lines nor drive the terminal."""
+    from worker.ops.dlq import header_text
+
     parked = shown.parked
     _show(f"id: {parked.id}")
     if parked.verified:
@@ -896,10 +898,10 @@ def _show_parked(shown: Shown, *, full: bool) -> None:
     _show("properties:")
     for name, value in shown.properties.items():
         if value is not None:
-            _show(f"  {name}: {_header_text(value)}")
+            _show(f"  {name}: {header_text(value)}")
     _show("headers:")
     for name, value in shown.headers.items():
-        _show(f"  {name}: {_header_text(value)}")
+        _show(f"  {name}: {header_text(value)}")
     body = shown.body if full else shown.body[:DLQ_SHOW_BODY_BYTES]
     cut = len(shown.body) - len(body)
     _show(
@@ -909,13 +911,6 @@ def _show_parked(shown: Shown, *, full: bool) -> None:
     )
     for line in body.decode("utf-8", "replace").split("\n"):
         _show(line)
-
-
-def _header_text(value: object) -> str:
-    """A header's value as text: bytes decoded, anything else as Python writes it."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value if isinstance(value, str) else repr(value)
 
 
 def _dlq_replay(settings: Settings, args: argparse.Namespace) -> int:

@@ -87,12 +87,17 @@ CLAIMED_HEADERS = {
 """What an unverified copy's headers claim, by the name ``worker dlq`` shows it under."""
 
 
-def _text(headers: Mapping[str, Any], name: str, default: str = "") -> str:
-    """Header ``name`` as text (bytes decoded, anything else by ``str``), else ``default``."""
-    value = headers.get(name)
+def header_text(value: object) -> str:
+    """A header's (or property's) value as text: bytes decoded, anything else by ``str``."""
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    return default if value is None else str(value)
+    return str(value)
+
+
+def _text(headers: Mapping[str, Any], name: str, default: str = "") -> str:
+    """Header ``name`` as text (``header_text``), else ``default``."""
+    value = headers.get(name)
+    return default if value is None else header_text(value)
 
 
 @dataclass(frozen=True)
