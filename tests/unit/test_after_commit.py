@@ -1,4 +1,4 @@
-"""Where the deliveries of a committed batch go next (``consumer.after_commit``), as a table:
+"""Where the deliveries of a committed batch go next (``core.batches.after_commit``), as a table:
 each lands in exactly one place, and a key takes the failure path at most once."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ from typing import Any
 
 from tests.helpers import envelope
 from worker import Context, Router
+from worker.core.batches import after_commit
 from worker.core.envelope import Envelope
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import Ended, Isolated
 from worker.errors import HandlerFailed, KeyReused, Permanent, Retryable
-from worker.transport.consumer import after_commit
 
 router = Router()
 

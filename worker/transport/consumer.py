@@ -32,9 +32,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import (
     AbstractChannel,
@@ -46,6 +44,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import backoff, database, logs, schema, tracing
 from worker.backoff import first
 from worker.core import unit_of_work
+from worker.core.batches import after_commit, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     ROUTING_KEY_HEADER,
@@ -53,18 +52,12 @@ from worker.core.envelope import (
     Envelope,
     open_envelope,
 )
-from worker.core.handler import HandlerKind
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
-from worker.core.unit_of_work import Ended, Isolated
 from worker.errors import (
     CheckFailed,
-    Fault,
-    KeyReused,
     PauseReason,
     Rejected,
-    classify,
-    handler_failed,
 )
 from worker.faults import (
     CONSUMER_AFTER_COMMIT,
@@ -74,7 +67,6 @@ from worker.faults import (
 )
 from worker.ops.metrics import Metrics
 from worker.settings import Settings
-from worker.sql.rows import InboxKey
 from worker.transport.acks import Settlements, channel_closed
 from worker.transport.failures import Failures
 from worker.transport.topology import Topology, declare_topology
@@ -109,51 +101,6 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
         exchange=message.exchange or "",
         redelivered=bool(message.redelivered),
     )
-
-
-M = TypeVar("M")
-
-
-@dataclass
-class AfterCommit(Generic[M]):
-    """Where the deliveries of a batch whose transaction committed go next: ``committed`` are
-    acked with their outcomes; ``failed`` failed for good in it and take their failure path at
-    once, together (``Failures.failed_in_committed_batch``); ``alone`` run on their own.
-    ``isolated`` counts the culprits taken out of the batch (``unit_of_work.Isolated``)."""
-
-    committed: list[tuple[M, Envelope, Outcome]] = field(default_factory=list)
-    failed: list[tuple[M, Envelope, Exception]] = field(default_factory=list)
-    alone: list[tuple[M, Envelope]] = field(default_factory=list)
-    isolated: int = 0
-
-
-def after_commit(together: Sequence[tuple[M, Envelope]], ends: Sequence[Ended]) -> AfterCommit[M]:
-    """Sort a committed batch's deliveries by their ``ends`` (in the same order) into
-    ``AfterCommit``: each delivery lands in exactly one list.
-
-    A reused key fails for good, and so does a culprit whose error ``classify`` calls permanent:
-    run alone it would only fail the same way, a transaction later. A culprit that failed
-    otherwise (transiently, or for the deployment) runs alone, with its in-process tries or the
-    pause. So does a later copy of a permanent culprit's key: it runs after the first copy's
-    failure was recorded, and ends as a duplicate of the failed key rather than as a second
-    parked copy. ``failed`` thus holds distinct keys.
-    """
-    after: AfterCommit[M] = AfterCommit()
-    failing: set[InboxKey] = set()
-    for (message, envelope), end in zip(together, ends, strict=True):
-        if isinstance(end, KeyReused):
-            after.failed.append((message, envelope, end))
-        elif isinstance(end, Isolated):
-            after.isolated += 1
-            key = envelope.inbox_key
-            if classify(end.error) is Fault.PERMANENT and key not in failing:
-                failing.add(key)
-                after.failed.append((message, envelope, handler_failed(end.error)))
-            else:
-                after.alone.append((message, envelope))
-        else:
-            after.committed.append((message, envelope, end))
-    return after
 
 
 class Consumer:
@@ -406,8 +353,7 @@ class Consumer:
         if self.paused:
             await self.failures.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
-        together: list[tuple[AbstractIncomingMessage, Envelope]] = []
-        alone: list[tuple[AbstractIncomingMessage, Envelope]] = []
+        opened: list[tuple[AbstractIncomingMessage, Envelope]] = []
         rejected: list[tuple[AbstractIncomingMessage, Delivery, Rejected]] = []
         for message in messages:
             delivery = delivery_from_amqp(message)
@@ -421,16 +367,14 @@ class Consumer:
                 failed.__cause__ = exc
                 rejected.append((message, delivery, failed))
                 continue
-            runs_alone = envelope.handler.kind is HandlerKind.WORKFLOW
-            (alone if runs_alone else together).append((message, envelope))
-        if len(together) > 1:
-            await self._process_together(together)
-        else:
-            alone[:0] = together
+            opened.append((message, envelope))
+        split = grouped(opened)
+        if split.together:
+            await self._process_together(split.together)
         for message, delivery, rejection in rejected:
             with logs.message_context(delivery):
                 await self.failures.failed(message, delivery, None, rejection)
-        for message, envelope in alone:  # a lone message, and workflows: each its own run
+        for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
     async def _process_together(
