@@ -231,7 +231,15 @@ def test_kubectl_kustomize_renders_the_manifests() -> None:
     rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
     expected = [d for d in documents() if d["kind"] != "Secret"]
     key = lambda d: (d["kind"], d["metadata"]["name"])  # noqa: E731
-    assert sorted(map(key, rendered)) == sorted(map(key, expected))
+    # and the ConfigMaps its components generate (test_prometheus_rules.py checks them)
+    generated = [
+        ("ConfigMap", generator["name"])
+        for component in yaml.safe_load(KUSTOMIZATION.read_text()).get("components", [])
+        for generator in yaml.safe_load((DEPLOY / component / "kustomization.yaml").read_text())[
+            "configMapGenerator"
+        ]
+    ]
+    assert sorted(map(key, rendered)) == sorted([*map(key, expected), *generated])
     tag = yaml.safe_load(KUSTOMIZATION.read_text())["images"][0]["newTag"]
     for document in rendered:
         if document["kind"] in ("Deployment", "Job"):
