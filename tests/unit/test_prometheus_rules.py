@@ -1,7 +1,8 @@
 """deploy/prometheus and deploy/grafana: the alerting rules pass ``promtool check rules`` and their
 unit tests (``promtool test rules``) fire each alert and hold it back; every metric the rules and
-the dashboard query is one the worker exports, read from the exposition of a ``Metrics`` built
-in-process, so renaming a metric fails here and not on an operator's dashboard at 3 a.m.; every
+the dashboard query is one the worker exports, and every label value they match one it writes,
+read from the exposition of a ``Metrics`` built in-process, so renaming a metric fails here and
+not on an operator's dashboard at 3 a.m.; every
 alert says its severity, what it means, the first command to run (a real ``worker`` command) and
 its section of docs/alerts.md; the dashboard's every query goes through its ``${datasource}``
 variable; ``kubectl kustomize`` ships both files unchanged.
@@ -30,6 +31,8 @@ from markdown.extensions.toc import slugify
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from worker.core.outcomes import Outcome
+from worker.errors import Reason
 from worker.ops.cli import build_parser
 from worker.ops.metrics import Metrics
 
@@ -103,6 +106,30 @@ def exported_names() -> frozenset[str]:
         names |= {family.name + suffix for suffix in suffixes[family.type]}
         names |= {sample.name for sample in family.samples if not sample.name.endswith("_created")}
     return frozenset(names)
+
+
+@functools.cache
+def label_values() -> dict[str, frozenset[str]]:
+    """The values each label can take: those in the exposition (the relay's results, the inbox's
+    statuses, the pause reasons are there from the start), and the outcomes and dead-letter
+    reasons, which appear once counted."""
+    values: dict[str, set[str]] = {
+        "outcome": {outcome.value for outcome in Outcome},
+        "reason": {reason.value for reason in Reason},
+    }
+    for family in text_string_to_metric_families(generate_latest(Metrics().registry).decode()):
+        for sample in family.samples:
+            for label, value in sample.labels.items():
+                values.setdefault(label, set()).add(value)
+    return {label: frozenset(found) for label, found in values.items()}
+
+
+def label_matches(expr: str) -> Iterator[tuple[str, set[str]]]:
+    """Each ``label="value"`` or ``label=~"a|b"`` matcher of ``expr`` on a label of the worker's
+    (not job, instance, nor a Grafana variable), with the values it names."""
+    for label, operator, value in re.findall(r'(\w+)\s*(=~|=)\s*"([^"]*)"', expr):
+        if label not in ("job", "instance") and "$" not in value:
+            yield label, set(value.split("|")) if operator == "=~" else {value}
 
 
 def test_the_exported_names_are_read_from_the_exposition() -> None:
@@ -193,6 +220,8 @@ def test_the_rules_query_only_metrics_the_worker_exports() -> None:
         names = promql_metric_names(rule["expr"])
         assert names, rule["alert"]
         assert names - exported_names() - PROMETHEUS_OWN == set(), rule["alert"]
+        for label, values in label_matches(rule["expr"]):
+            assert values <= label_values()[label], rule["alert"]
 
 
 def documented_anchors() -> set[str]:
@@ -327,6 +356,8 @@ def test_the_dashboard_queries_only_metrics_the_worker_exports() -> None:
         names = promql_metric_names(query)
         assert names, query
         used |= names
+        for label, values in label_matches(query):
+            assert values <= label_values()[label], query
     assert used - exported_names() == set()
     # and shows every one of them: a metric added to the worker gets a panel
     families = {re.sub(r"_(bucket|sum|count)$", "", name) for name in exported_names()}
