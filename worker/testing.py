@@ -346,28 +346,23 @@ class Harness:
         return drained
 
     def _delivery_of(self, message: Message | Published) -> Delivery:
+        """``message`` as the broker would hand it over."""
         if isinstance(message, Published):
-            return Delivery(
-                body=message.raw,
-                routing_key=message.routing_key,
-                headers=dict(message.headers),
-                message_id=message.message_id,
-                correlation_id=message.correlation_id,
-                content_type=message.content_type,
-                exchange=message.exchange,
-            )
-        headers = dict(message.headers or {})
-        if message.key is not None:
-            headers[IDEMPOTENCY_KEY_HEADER] = message.key
-        body = message.body
+            body, headers, exchange = message.raw, dict(message.headers), message.exchange
+        else:
+            body = message.body if isinstance(message.body, bytes) else encode_json(message.body)
+            headers = dict(message.headers or {})
+            if message.key is not None:
+                headers[IDEMPOTENCY_KEY_HEADER] = message.key
+            exchange = self.exchange
         return Delivery(
-            body=body if isinstance(body, bytes) else encode_json(body),
+            body=body,
             routing_key=message.routing_key,
             headers=headers,
             message_id=message.message_id,
             correlation_id=message.correlation_id,
             content_type=message.content_type,
-            exchange=self.exchange,
+            exchange=exchange,
         )
 
     def _open(self, delivery: Delivery) -> Envelope:
