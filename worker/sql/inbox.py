@@ -54,34 +54,19 @@ JOIN inbox AS i ON i.handler = k.handler AND i.key = k.key
 """
 
 
-def mark_completed(first: int) -> str:
-    """``UPDATE inbox`` marking keys completed with their results, given as three arrays,
-    parameters ``$first`` to ``$first+2`` (handlers, keys, results as JSON text)."""
-    p = [f"${first + i}" for i in range(3)]
-    return f"""
+COMPLETE_KEYS = """
 UPDATE inbox AS i
 SET status = 'completed', result = d.result::jsonb, owner = NULL, lease_until = NULL,
     updated_at = now()
-FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::text[]) AS d(handler, key, result)
+FROM unnest($1::text[], $2::text[], $3::text[]) AS d(handler, key, result)
 WHERE i.handler = d.handler AND i.key = d.key
 """
-
-
-def delete_claims(first: int) -> str:
-    """``DELETE FROM inbox`` of claims this transaction made (and nobody else can see yet) of keys
-    given as two arrays, parameters ``$first`` and ``$first+1`` (handlers, keys)."""
-    return f"""
-DELETE FROM inbox AS i
-USING unnest(${first}::text[], ${first + 1}::text[]) AS r(handler, key)
-WHERE i.handler = r.handler AND i.key = r.key
-"""
-
-
-COMPLETE_KEYS = mark_completed(1)
+"""Mark keys completed with their results, given as three arrays (``completion_arrays``)."""
 
 
 def completion_arrays(results: Sequence[tuple[str, str, Any]]) -> list[list[Any]]:
-    """The three arrays ``mark_completed`` takes, from (handler, key, result)."""
+    """The three arrays ``COMPLETE_KEYS`` takes, from (handler, key, result): handlers, keys,
+    results as JSON text."""
     return [
         [handler for handler, _, _ in results],
         [key for _, key, _ in results],
@@ -108,7 +93,7 @@ async def claim_keys(
 
     A unit of work's claim is written ``completed`` at once, with no result: nobody sees it
     before the commit, when it is true, and a handler that returns nothing then needs no second
-    write of the row (``mark_completed`` stores a result). A workflow's claim is ``in_progress``,
+    write of the row (``complete_keys`` stores a result). A workflow's claim is ``in_progress``,
     visible between its steps: it names its ``owner`` and holds the key for ``lease`` seconds.
     """
     driver = await in_transaction(conn)

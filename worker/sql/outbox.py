@@ -47,43 +47,40 @@ RETRY_DELAY_CAP_SECONDS = 300.0
 """A failed outbox row is retried at least this often, however many attempts it has had."""
 
 
-def lock_keys(param: int) -> str:
-    """The expression that takes the advisory lock of each ordering key in the array
-    ``$param``, in the array's order, held until commit (an aggregate: one row)."""
-    return (
-        f"count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))) "
-        f"FROM unnest(${param}::text[]) WITH ORDINALITY AS k(key, position)"
-    )
-
-
 NOTIFY_RELAYS = f"pg_notify('{OUTBOX_CHANNEL}', '')"
 """The NOTIFY that wakes listening relays; delivered at commit, once however often it is sent."""
 
-LOCK_ORDERING_KEYS = f"SELECT {lock_keys(1)}"
-LOCK_ORDERING_KEYS_AND_NOTIFY = f"SELECT {NOTIFY_RELAYS}, {lock_keys(1)}"
+LOCK_ORDERING_KEYS = f"""
+SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+"""Take the advisory lock of each ordering key in the array ``$1``, in the array's order, held
+until commit (an aggregate: one row)."""
 
+LOCK_ORDERING_KEYS_AND_NOTIFY = f"""
+SELECT {NOTIFY_RELAYS}, count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+"""``LOCK_ORDERING_KEYS``, and one NOTIFY for relays (the aggregate makes it run once)."""
 
-def insert_events(first: int, where: str = "TRUE") -> str:
-    """``INSERT INTO outbox`` of the events given as nine arrays, parameters ``$first`` to
-    ``$first+8`` (message ids, exchanges, routing keys, bodies, content types, headers as JSON
-    text, correlation ids, causation ids, ordering keys), in the arrays' order, ``where`` true."""
-    p = [f"${first + i}" for i in range(9)]
-    return f"""
+APPEND_OUTBOX = """
 INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
                     correlation_id, causation_id, ordering_key)
 SELECT m.message_id, m.exchange, m.routing_key, m.body, m.content_type, m.headers::jsonb,
        m.correlation_id, m.causation_id, m.ordering_key
-FROM unnest({p[0]}::uuid[], {p[1]}::text[], {p[2]}::text[], {p[3]}::bytea[], {p[4]}::text[],
-            {p[5]}::text[], {p[6]}::text[], {p[7]}::text[], {p[8]}::text[])
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[],
+            $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS m(message_id, exchange, routing_key, body, content_type, headers,
                           correlation_id, causation_id, ordering_key, position)
-WHERE {where}
 ORDER BY m.position
 """
+"""Insert the events given as nine arrays (``event_arrays``), in the arrays' order."""
 
 
 def event_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
-    """The nine arrays ``insert_events`` takes, one element per message."""
+    """The nine arrays ``APPEND_OUTBOX`` takes, one element per message (message ids, exchanges,
+    routing keys, bodies, content types, headers as JSON text, correlation ids, causation ids,
+    ordering keys)."""
     return [
         [m.message_id for m in messages],
         [m.exchange for m in messages],
@@ -101,9 +98,6 @@ def ordering_keys_of(messages: Sequence[OutboxMessage]) -> list[str]:
     """The distinct ordering keys of ``messages``, sorted: the order their locks are taken in, so
     that two transactions cannot deadlock on them."""
     return sorted({m.ordering_key for m in messages if m.ordering_key is not None})
-
-
-APPEND_OUTBOX = insert_events(1)
 
 
 async def lock_ordering_keys(
