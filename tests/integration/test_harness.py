@@ -391,6 +391,28 @@ async def test_a_workflow_in_a_batch_runs_alone(engine: AsyncEngine) -> None:
     assert await rows(engine, "SELECT key, step FROM workflow_steps") == [("f", "note")]
 
 
+async def test_a_batch_that_fails_as_a_whole_is_redone_one_delivery_at_a_time(
+    engine: AsyncEngine,
+) -> None:
+    # Given a batch handler that returns one result too few for a batch of several
+    router = Router()
+    calls: list[list[int]] = []
+
+    @router.batch_handler("short")
+    async def short(bodies: list[int], batch: Batch) -> list[int]:
+        calls.append(list(bodies))
+        return bodies[: max(1, len(bodies) - 1)]
+
+    # When three messages come as one batch
+    ended = await Harness(router, engine).deliver_batch(
+        [Message("short", n, key=f"k{n}") for n in range(3)]
+    )
+
+    # Then the shared transaction failed and each ran in one of its own
+    assert [(d.outcome, d.result) for d in ended] == [("processed", n) for n in range(3)]
+    assert calls == [[0, 1, 2], [0], [1], [2]]
+
+
 async def test_a_failure_to_retry_later_in_a_batch_is_raised_after_the_others_ended(
     engine: AsyncEngine,
 ) -> None:
