@@ -46,16 +46,10 @@ from aio_pika.abc import AbstractExchange
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from benchmarks.common import REQUESTED, SEED, count_rows, publish_all, reset_tables
 from benchmarks.processes import ROOT, WorkerFailed, stop_worker, until
 from benchmarks.relay_latency import delete_broker_objects, progress
-from benchmarks.throughput import (
-    REQUESTED,
-    SEED,
-    count_rows,
-    publish_all,
-    reset_tables,
-    settled_body,
-)
+from benchmarks.throughput import settled_body
 from examples.payments import router as payments_router
 from examples.payments.demo import plan_payments, request_message
 from worker.database import create_engine

@@ -49,8 +49,8 @@ from aio_pika.abc import AbstractQueue
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from benchmarks.common import REQUESTED, SEED, count_rows, publish_all, reset_tables
 from benchmarks.relay_latency import delete_broker_objects, progress
-from benchmarks.throughput import count_rows, publish_all, reset_tables
 from examples.payments import router as payments_router
 from examples.payments.demo import DemoPlan, plan_payments, request_message
 from worker.database import create_engine
@@ -62,8 +62,6 @@ from worker.transport.topology import declare_topology
 log = logging.getLogger("benchmarks.processes")
 
 ROOT = Path(__file__).resolve().parents[1]
-REQUESTED = "payment.requested"
-SEED = 1
 POLL_INTERVAL = 0.01
 """Seconds between two looks at the queue (or, at the end, the ledger)."""
 STOP_TIMEOUT = 60.0

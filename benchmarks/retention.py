@@ -34,8 +34,9 @@ import sqlalchemy.exc
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
+from benchmarks.common import count_rows
 from benchmarks.relay_latency import progress
-from benchmarks.throughput import count_rows, fill_inbox
+from benchmarks.throughput import fill_inbox
 from worker.database import create_engine
 from worker.ops.janitor import sweep
 from worker.settings import Settings, positive_float, positive_int

@@ -96,6 +96,14 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from benchmarks.common import (
+    REQUESTED,
+    SEED,
+    count_rows,
+    publish_all,
+    reset_tables,
+)
+from benchmarks.processes import drain_with_processes
 from benchmarks.relay_latency import (
     delete_broker_objects,
     offer,
@@ -120,12 +128,8 @@ from worker.transport.topology import declare_topology
 
 log = logging.getLogger("benchmarks.throughput")
 
-REQUESTED = "payment.requested"
 SETTLED = "payment.settled"
 PUBLISHED_AT_HEADER = "x-bench-published-at"
-SEED = 1
-PUBLISH_WINDOW = 1000
-"""Publishes in flight at once when preloading, and in the bare publish+confirm baseline."""
 OUTBOX_BATCH = 1000
 """Outbox rows inserted per transaction when preloading the outbox for (e)."""
 POLL_INTERVAL = 0.01
@@ -163,8 +167,6 @@ AFTER_COMMIT_RECORD = "%s key=%s handler=%s message_id=%s"
 """The format of ``worker.transport.consumer``'s debug record after each commit; its second
 argument is
 the key. If the consumer stops logging it, the publish -> commit latency is reported as n/a."""
-PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
-WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_parked")
 EXPECTED_STATS = frozenset(
     {"processed", "duplicate", "relay_published", "batches", "multiple_acks"}
 )
@@ -296,16 +298,6 @@ def settled_body(payment: dict[str, object]) -> bytes:
     return json.dumps({**payment, "balance_cents": payment["amount_cents"]}).encode()
 
 
-async def publish_all(
-    exchange: AbstractExchange, routing_key: str, messages: Iterable[aio_pika.Message]
-) -> None:
-    """Publish ``messages`` on a confirming channel, ``PUBLISH_WINDOW`` confirms pipelined at a
-    time; raises if one is returned (``mandatory``) or nacked."""
-    pending = iter(messages)
-    while window := list(itertools.islice(pending, PUBLISH_WINDOW)):
-        await asyncio.gather(*(exchange.publish(m, routing_key, mandatory=True) for m in window))
-
-
 async def preload(bench: Bench, exchange: AbstractExchange, routing_key: str) -> None:
     """Publish every planned request, confirmed; prints how long it took."""
     started = time.perf_counter()
@@ -405,20 +397,6 @@ def unusual(stats: Counter[str], expected: Iterable[str] = ()) -> dict[str, int]
 
 
 # The database
-
-
-async def reset_tables(engine: AsyncEngine) -> None:
-    """Empty the worker's and the example's tables, then CHECKPOINT, so each scenario starts
-    from the same state without the previous one's dirty pages to write."""
-    async with engine.begin() as conn:
-        await conn.execute(text(f"TRUNCATE {', '.join(WORKER_TABLES + PAYMENT_TABLES)}"))
-    async with engine.connect() as conn:
-        await conn.execute(text("CHECKPOINT"))
-
-
-async def count_rows(engine: AsyncEngine, table: str) -> int:
-    async with engine.connect() as conn:
-        return int((await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one())
 
 
 async def check_payments(bench: Bench, scenario: str, *, notices: bool = False) -> None:
@@ -1055,8 +1033,6 @@ def worker_processes(count: int) -> Scenario:
     (``benchmarks.processes.drain_with_processes``); its own timing, as ``Timing``."""
 
     async def scenario(bench: Bench) -> Timing:
-        from benchmarks.processes import drain_with_processes  # it imports this module
-
         distinct = plan_payments(len(bench.plan.sends), 0.0, bench.options.accounts, SEED)
         settings = bench.names(f"n{count}")
         try:

@@ -3,13 +3,14 @@
 ``scratch_database`` and ``empty_database`` run their own event loop, so call them outside one:
 in a session-scoped pytest fixture, say, or before ``asyncio.run``.
 
-``Harness`` delivers messages to a router without RabbitMQ, through the worker's own code: the
-checks of ``open_envelope``, then ``unit_of_work.apply`` (one transaction, or a workflow's run),
-the real inbox claim and the real outbox insert, all committed to your test database. Only the
-transport is in memory: a rejected delivery is kept in ``Harness.dead_letters`` (its key recorded
-as failed, as the worker records it) instead of a dead-letter queue, and ``Harness.relay`` drains
-the outbox table into ``Harness.published`` instead of publishing. What the harness commits is
-what the worker would commit for the same deliveries in the same order::
+``Harness`` delivers messages to a router without RabbitMQ, one at a time or as one batch,
+through the worker's own code: the checks of ``open_envelope``, the batch's grouping
+(``core.batches``), the units of work (``core.unit_of_work``) with the real inbox claim and the
+real outbox insert, all committed to your test database, and the worker's failure policy
+(``worker/core/policy.py`` says where a failure goes). Only the transport is in memory: a parked
+delivery is kept in ``Harness.dead_letters`` instead of a dead-letter queue, and
+``Harness.relay`` drains the outbox table into ``Harness.published`` instead of publishing. What
+the harness commits is what the worker would commit for the same deliveries in the same order::
 
     @pytest.fixture(scope="session")
     def database() -> Iterator[Settings]:
@@ -30,6 +31,14 @@ what the worker would commit for the same deliveries in the same order::
         assert (first.outcome, again.outcome) == ("processed", "duplicate")
         assert [e.routing_key for e in harness.published] == ["payment.settled"]
 
+    async def test_a_bad_payment_is_parked_and_its_batch_commits(engine: AsyncEngine) -> None:
+        body = {"payment_id": "p1", "account": "alice", "amount_cents": 100}
+        ended = await Harness(router, engine).deliver_batch([
+            Message("payment.requested", body, key="p1"),
+            Message("payment.requested", b"{not json", key="p2"),
+        ])
+        assert [d.outcome for d in ended] == ["processed", "dead_lettered"]
+
 Empty your tables between tests (``TRUNCATE``): the inbox remembers every key.
 """
 
@@ -39,7 +48,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -48,6 +57,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, schema
 from worker.core import unit_of_work
+from worker.core.batches import after_commit, checked, grouped
 from worker.core.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
@@ -65,6 +75,7 @@ from worker.errors import Reason, Rejected
 from worker.settings import Settings
 from worker.sql import inbox, outbox
 from worker.sql.outbox import OutboxRow
+from worker.sql.rows import InboxEntry, InboxKey
 from worker.transport.dead_letters import Failure, cause_of
 from worker.transport.relay import message_of
 
@@ -163,21 +174,48 @@ class Delivered:
         return None if self.exception is None else type(self.exception).__name__
 
 
+@dataclass(frozen=True)
+class Message:
+    """One message of ``Harness.deliver_batch``: what ``Harness.deliver`` takes, as a value."""
+
+    routing_key: str
+    body: Any
+    key: str | None = None
+    message_id: str | None = None
+    headers: Mapping[str, Any] | None = None
+    content_type: str | None = JSON_CONTENT_TYPE
+    correlation_id: str | None = None
+
+
+@dataclass
+class _Ends:
+    """How a batch's deliveries ended so far, by their place in the batch: ``delivered``, or
+    ``raised`` to the test."""
+
+    delivered: dict[int, Delivered] = field(default_factory=dict)
+    raised: dict[int, Exception] = field(default_factory=dict)
+
+
+_Failing = tuple[int, Delivery, Envelope | None, Exception]
+"""A delivery that failed (its place in the batch; its envelope, None when it failed its checks)
+and the error it failed with."""
+
+
 class Harness:
     """Delivers messages to ``router``'s handlers on ``engine`` as the worker would, minus
-    RabbitMQ; one delivery at a time, each committed before ``deliver`` returns.
+    RabbitMQ: one at a time (``deliver``) or several as one batch (``deliver_batch``), each
+    committed before the call returns.
 
-    Like the consumer: ``open_envelope`` checks the delivery, then ``unit_of_work.apply`` runs it
-    (one transaction, or a workflow's run holding a lease of ``workflow_lease`` seconds), tried up
-    to ``transient_attempts`` times while it fails transiently. Where a failure goes, the worker's
-    own policy decides (``policy.decide``, with ``retry_delays``): a delivery it parks is
-    dead-lettered here, not raised, returned and kept in ``dead_letters``, and a keyed one has its
-    key recorded as failed when the policy says so (not for ``key-reused``).
-    Unlike the consumer: a failure the worker would retry later (a delayed retry), park as
-    ``internal-error`` (a bug it logs) or pause for (the deployment's fault: a missing table or
-    privilege) is raised to the test; the database is the test's, so it is never probed; the
-    relay is ``relay()``, run after every delivery, which drains the outbox table into
-    ``published`` without publishing.
+    Like the consumer, it checks deliveries (``open_envelope``), groups a batch's deliveries
+    (``core.batches``), runs them (``unit_of_work.process_batch`` for those that share a
+    transaction, ``unit_of_work.apply`` for one alone: a workflow's run holds a lease of
+    ``workflow_lease`` seconds; tried ``transient_attempts`` times in process) and sends each
+    failure where the worker's failure policy sends it (``core.policy.decide``, with
+    ``retry_delays``). A delivery it parks ends ``dead_lettered`` (and is kept in
+    ``dead_letters``); a decision to retry later, to pause, or a failure the worker logs as a bug
+    (``internal-error``) is raised to the test instead. Unlike the consumer: the database is the
+    test's, so it is never probed, and the relay is ``relay()``, run after every transaction,
+    which drains the outbox table into ``published`` without publishing.
     """
 
     def __init__(
@@ -207,7 +245,7 @@ class Harness:
         self.dead_letters: list[Delivered] = []
         """Every dead-lettered delivery so far, in delivery order."""
         self.deliveries: list[Delivered] = []
-        """Every delivery that ended (not raised) so far, in order."""
+        """Every delivery that ended (not raised) so far, in delivery order."""
         self._turn = asyncio.Lock()
 
     @classmethod
@@ -241,51 +279,52 @@ class Harness:
         ``key`` becomes the ``idempotency-key`` header; without it the ``message_id`` is the key
         (none is made up: a message with neither is dead-lettered as ``missing-key``).
         """
-        all_headers = dict(headers or {})
-        if key is not None:
-            all_headers[IDEMPOTENCY_KEY_HEADER] = key
-        return await self.handle(
-            Delivery(
-                body=body if isinstance(body, bytes) else encode_json(body),
-                routing_key=routing_key,
-                headers=all_headers,
-                message_id=message_id,
-                correlation_id=correlation_id,
-                content_type=content_type,
-                exchange=self.exchange,
-            )
-        )
+        message = Message(routing_key, body, key, message_id, headers, content_type, correlation_id)
+        return await self.handle(self._delivery_of(message))
 
     async def deliver_event(self, event: Published) -> Delivered:
         """Deliver a published event back to the router, as the broker would hand it over
         (for chains: an event one handler emits and another consumes)."""
-        return await self.handle(
-            Delivery(
-                body=event.raw,
-                routing_key=event.routing_key,
-                headers=dict(event.headers),
-                message_id=event.message_id,
-                correlation_id=event.correlation_id,
-                content_type=event.content_type,
-                exchange=event.exchange,
-            )
-        )
+        return await self.handle(self._delivery_of(event))
+
+    async def deliver_batch(self, messages: Iterable[Message | Published]) -> list[Delivered]:
+        """Deliver ``messages`` (each as ``deliver`` or ``deliver_event`` would) as ONE batch of
+        the consumer, and return how each ended, in their order.
+
+        As in the worker, those that pass their checks share one transaction, and a delivery
+        whose handler fails in it is taken out while the others commit; a workflow, and a
+        delivery left alone, run on their own; a batch that fails as a whole is redone one
+        delivery per transaction. A delivery's ``events`` are those its own transaction
+        committed; in a shared transaction, those whose causation id is its key.
+
+        A delivery the harness raises for (see the class) does not stop the others: once they
+        all ended (and are in ``deliveries``), the first such error in the batch's order is
+        raised.
+        """
+        return await self.handle_batch([self._delivery_of(message) for message in messages])
 
     async def handle(self, delivery: Delivery) -> Delivered:
         """Run one ``Delivery`` to its end, as the consumer does, and drain the outbox."""
+        [delivered] = await self.handle_batch([delivery])
+        return delivered
+
+    async def handle_batch(self, deliveries: Sequence[Delivery]) -> list[Delivered]:
+        """Run ``deliveries`` to their end as one batch of the consumer (``deliver_batch``)."""
+        ends = _Ends()
         async with self._turn:
             try:
-                delivered = await self._handle(delivery)
+                await self._run_batch(list(enumerate(deliveries)), ends)
+                await self._relay()  # rows committed outside the harness meanwhile
             except BaseException:
                 with contextlib.suppress(Exception):
                     await self._relay()  # what committed before the failure (workflow steps)
                 raise
-            events = tuple(await self._relay())
-            delivered = replace(delivered, events=events)
-            self.deliveries.append(delivered)
-            if delivered.outcome is Outcome.DEAD_LETTERED:
-                self.dead_letters.append(delivered)
-            return delivered
+            ended = [ends.delivered[index] for index in sorted(ends.delivered)]
+            self.deliveries.extend(ended)
+            self.dead_letters.extend(d for d in ended if d.outcome is Outcome.DEAD_LETTERED)
+        if ends.raised:
+            raise ends.raised[min(ends.raised)]
+        return ended
 
     async def relay(self) -> list[Published]:
         """Drain the outbox table: take every due row in id order, delete it, and return it as
@@ -306,62 +345,160 @@ class Harness:
         self.published.extend(drained)
         return drained
 
-    async def _handle(self, delivery: Delivery) -> Delivered:
-        envelope: Envelope | None = None
+    def _delivery_of(self, message: Message | Published) -> Delivery:
+        """``message`` as the broker would hand it over."""
+        if isinstance(message, Published):
+            body, headers, exchange = message.raw, dict(message.headers), message.exchange
+        else:
+            body = message.body if isinstance(message.body, bytes) else encode_json(message.body)
+            headers = dict(message.headers or {})
+            if message.key is not None:
+                headers[IDEMPOTENCY_KEY_HEADER] = message.key
+            exchange = self.exchange
+        return Delivery(
+            body=body,
+            routing_key=message.routing_key,
+            headers=headers,
+            message_id=message.message_id,
+            correlation_id=message.correlation_id,
+            content_type=message.content_type,
+            exchange=exchange,
+        )
+
+    def _open(self, delivery: Delivery) -> Envelope:
+        return open_envelope(
+            delivery,
+            self.router,
+            max_body_bytes=self.max_body_bytes,
+            max_depth=self.max_json_depth,
+        )
+
+    @property
+    def _unit_of_work(self) -> UnitOfWorkConfig:
+        return UnitOfWorkConfig(exchange=self.exchange, workflow_lease=self.workflow_lease)
+
+    async def _run_batch(self, deliveries: Sequence[tuple[int, Delivery]], ends: _Ends) -> None:
+        """The consumer's ``handle_batch``, minus the broker: the deliveries that share a
+        transaction, then those that failed their checks, then those that run alone."""
+        check = checked(deliveries, self._open)
+        split = grouped(check.opened)
+        if split.together:
+            await self._process_together(split.together, ends)
+        await self._fail([(index, d, None, exc) for index, d, exc in check.rejected], ends)
+        for index, envelope in split.alone:
+            await self._process_alone(index, envelope, ends)
+
+    async def _process_together(
+        self, together: Sequence[tuple[int, Envelope]], ends: _Ends
+    ) -> None:
+        """One transaction for ``together`` (``unit_of_work.process_batch``), then each delivery
+        where ``after_commit`` sends it; if the transaction fails, each runs alone."""
+        envelopes = [envelope for _, envelope in together]
         try:
-            envelope = open_envelope(
-                delivery,
-                self.router,
-                max_body_bytes=self.max_body_bytes,
-                max_depth=self.max_json_depth,
+            finished = await unit_of_work.process_batch(self.engine, envelopes, self._unit_of_work)
+        except Exception as exc:
+            log.info(
+                "a batch of %d failed (%r); processing its messages one by one", len(together), exc
             )
+            for index, envelope in together:
+                await self._process_alone(index, envelope, ends)
+            return
+        after = after_commit(together, finished)
+        events = await self._relay()
+        stored = await self._stored([envelope for _, envelope, _ in after.committed])
+        for index, envelope, outcome in after.committed:
+            mine = (e for e in events if e.causation_id == envelope.key)
+            ends.delivered[index] = replace(
+                self._ended(envelope, outcome, stored),
+                events=tuple(mine) if outcome is Outcome.PROCESSED else (),
+            )
+        failed = [(index, env.delivery, env, exc) for index, env, exc in after.failed]
+        await self._fail(failed, ends, database_answers=True)
+        for index, envelope in after.alone:
+            await self._process_alone(index, envelope, ends)
+
+    async def _process_alone(self, index: int, envelope: Envelope, ends: _Ends) -> None:
+        """One delivery in a unit of work of its own, tried in process while it fails
+        transiently, then the outbox drained into its ``events``."""
+        try:
             outcome: Outcome = await backoff.in_process(self.transient_attempts, log)(
-                unit_of_work.apply,
-                self.engine,
-                envelope,
-                UnitOfWorkConfig(exchange=self.exchange, workflow_lease=self.workflow_lease),
+                unit_of_work.apply, self.engine, envelope, self._unit_of_work
             )
         except Exception as exc:
-            facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
-            decision = decide(exc, facts, self.policy)
-            if not isinstance(decision, Park) or decision.unexpected:
-                raise  # a delayed retry, a bug or a pause: the test should say why
-            return await self._dead_letter(delivery, envelope, exc, decision)
+            await self._fail([(index, envelope.delivery, envelope, exc)], ends)
+        else:
+            ends.delivered[index] = self._ended(envelope, outcome, await self._stored([envelope]))
+        events = tuple(await self._relay())
+        if index in ends.delivered:
+            ends.delivered[index] = replace(ends.delivered[index], events=events)
+
+    async def _stored(self, envelopes: Sequence[Envelope]) -> dict[InboxKey, InboxEntry]:
+        """The inbox rows of ``envelopes``' keys, as committed."""
+        if not envelopes:
+            return {}
         async with self.engine.begin() as conn:
-            key = (envelope.handler.name, envelope.key)
-            entry = (await inbox.fetch_keys(conn, [key])).get(key)
+            return await inbox.fetch_keys(conn, [envelope.inbox_key for envelope in envelopes])
+
+    @staticmethod
+    def _ended(
+        envelope: Envelope, outcome: Outcome, stored: Mapping[InboxKey, InboxEntry]
+    ) -> Delivered:
+        entry = stored.get(envelope.inbox_key)
         return Delivered(
-            delivery,
+            envelope.delivery,
             outcome,
             key=envelope.key,
             handler=envelope.handler.name,
             result=None if entry is None else entry.result,
         )
 
-    async def _dead_letter(
-        self, delivery: Delivery, envelope: Envelope | None, exc: Exception, park: Park
-    ) -> Delivered:
-        """What the consumer does with a delivery the policy parks (``failures.park``), with the
-        dead-letter queue in memory."""
-        handler = (
-            envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
-        )
-        failure = Failure.of(delivery, exc, handler)
-        if envelope is not None and park.record_key:
+    async def _fail(
+        self, failing: Sequence[_Failing], ends: _Ends, *, database_answers: bool | None = None
+    ) -> None:
+        """Send each failed delivery where the failure policy says: parked ones are dead-lettered
+        together (``_dead_letter``); any other decision is raised to the test."""
+        parked: list[tuple[_Failing, Park]] = []
+        for failed in failing:
+            index, delivery, envelope, exc = failed
+            facts = FailureFacts.of(
+                delivery,
+                self.policy,
+                opened=envelope is not None,
+                database_answers=database_answers,
+            )
+            decision = decide(exc, facts, self.policy)
+            if isinstance(decision, Park) and not decision.unexpected:
+                parked.append((failed, decision))
+            else:
+                ends.raised[index] = exc  # a delayed retry, a bug or a pause: the test says why
+        ends.delivered.update(await self._dead_letter(parked))
+
+    async def _dead_letter(self, parked: Sequence[tuple[_Failing, Park]]) -> dict[int, Delivered]:
+        """What the consumer does with the deliveries the policy parks (``failures``), with the
+        dead-letter queue in memory: the keys to record as failed, in one transaction."""
+        delivered: dict[int, Delivered] = {}
+        failed_keys: list[inbox.FailedKey] = []
+        for (index, delivery, envelope, exc), park in parked:
+            handler = (
+                envelope.handler if envelope is not None else self.router.find(delivery.routing_key)
+            )
+            failure = Failure.of(delivery, exc, handler)
+            if envelope is not None and park.record_key:
+                failed_keys.append((envelope.claim, failure.error, failure.attempts))
+            delivered[index] = Delivered(
+                delivery,
+                Outcome.DEAD_LETTERED,
+                key=envelope.key if envelope is not None else key_or_none(delivery),
+                handler=failure.handler,
+                reason=park.reason,
+                error=failure.error,
+                exception=cause_of(exc),
+                dead_letter_headers=failure.dead_letter_headers(park.reason),
+            )
+        if failed_keys:
             async with self.engine.begin() as conn:
-                await inbox.record_failure(
-                    conn, envelope.claim, error=failure.error, attempts=failure.attempts
-                )
-        return Delivered(
-            delivery,
-            Outcome.DEAD_LETTERED,
-            key=envelope.key if envelope is not None else key_or_none(delivery),
-            handler=failure.handler,
-            reason=park.reason,
-            error=failure.error,
-            exception=cause_of(exc),
-            dead_letter_headers=failure.dead_letter_headers(park.reason),
-        )
+                await inbox.record_failures(conn, failed_keys)
+        return delivered
 
 
 def published_of(row: OutboxRow) -> Published:

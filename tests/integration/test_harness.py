@@ -20,9 +20,9 @@ from examples.orders.gateway import charge_id_for
 from examples.payments import router as payments
 from tests.helpers import payment, rows, scalar, wait_until
 from tests.integration.support import TABLES, dead_letters, publish, running_worker
-from worker import Context, Permanent, Retryable, Router
+from worker import Batch, Context, Permanent, Retryable, Router, Workflow
 from worker.settings import Settings
-from worker.testing import Delivered, Harness, Published
+from worker.testing import Delivered, Harness, Message, Published
 from worker.transport import dead_letters as dlq
 
 
@@ -255,6 +255,189 @@ async def test_a_message_without_a_key_is_dead_lettered_as_missing_key(
     parked = await Harness(payments, engine).deliver("payment.requested", payment("p1"))
 
     assert (parked.outcome, parked.reason, parked.key) == ("dead_lettered", "missing-key", None)
+
+
+# Batches through the harness, as the consumer takes them
+
+
+async def test_one_bad_message_in_a_batch_is_parked_while_the_others_commit(
+    engine: AsyncEngine,
+) -> None:
+    # Given a payment settled before under key k1
+    harness = Harness(payments, engine)
+    await harness.deliver("payment.requested", payment("p1", "alice", 100), key="k1")
+
+    # When one batch holds two good payments, the same payment again under another key (the
+    # batch handler names it as its culprit) and a body that fails its checks
+    ended = await harness.deliver_batch(
+        [
+            Message("payment.requested", payment("p2", "bob", 200), key="k2"),
+            Message("payment.requested", payment("p1", "alice", 100), key="k-again"),
+            Message("payment.requested", {**payment("p3"), "amount_cents": "1"}, key="k3"),
+            Message("payment.requested", payment("p4", "bob", 300), key="k4"),
+        ]
+    )
+
+    # Then the bad ones are parked, the others committed, each with its own events
+    assert [(d.outcome, d.reason) for d in ended] == [
+        ("processed", None),
+        ("dead_lettered", "handler-error"),
+        ("dead_lettered", "invalid"),
+        ("processed", None),
+    ]
+    assert ended[1].exception_type == "DuplicatePayment"
+    assert await rows(engine, "SELECT account, balance_cents FROM accounts ORDER BY 1") == [
+        ("alice", 100),
+        ("bob", 500),
+    ]
+    assert await rows(engine, "SELECT key, status FROM inbox ORDER BY key") == [
+        ("k-again", "failed"),
+        ("k1", "completed"),
+        ("k2", "completed"),
+        ("k4", "completed"),
+    ]
+    assert [[e.causation_id for e in d.events] for d in ended] == [["k2"], [], [], ["k4"]]
+    assert ended[3].result == {**payment("p4", "bob", 300), "balance_cents": 500}
+    assert harness.dead_letters == [ended[1], ended[2]]
+    assert harness.deliveries[1:] == ended
+
+
+async def test_a_batch_handlers_culprit_is_found_and_parked_and_the_rest_committed(
+    engine: AsyncEngine,
+) -> None:
+    # Given a batch handler that fails, without naming a culprit, when 3 is among its bodies
+    router = Router()
+    calls: list[list[int]] = []
+
+    @router.batch_handler("many")
+    async def many(bodies: list[int], batch: Batch) -> None:
+        calls.append(list(bodies))
+        await batch.asyncpg.executemany(
+            "INSERT INTO accounts (account, balance_cents) VALUES ($1, $2)",
+            [(f"a{n}", n) for n in bodies],
+        )
+        if 3 in bodies:
+            raise ValueError("3 is bad")
+
+    # When five messages come as one batch
+    ended = await Harness(router, engine).deliver_batch(
+        [Message("many", n, key=f"k{n}") for n in range(1, 6)]
+    )
+
+    # Then bisection found the culprit: it is parked, its key failed, the rest committed
+    assert [d.outcome for d in ended] == [
+        "processed",
+        "processed",
+        "dead_lettered",
+        "processed",
+        "processed",
+    ]
+    assert (ended[2].reason, ended[2].exception_type) == ("handler-error", "ValueError")
+    assert calls[0] == [1, 2, 3, 4, 5]  # all of them in one call first
+    assert await rows(engine, "SELECT account FROM accounts ORDER BY 1") == [
+        ("a1",),
+        ("a2",),
+        ("a4",),
+        ("a5",),
+    ]
+    assert await scalar(engine, "SELECT status FROM inbox WHERE key = 'k3'") == "failed"
+
+
+async def test_a_key_delivered_twice_in_one_batch_runs_once(engine: AsyncEngine) -> None:
+    harness = Harness(payments, engine)
+    body = payment("p1", "alice", 250)
+
+    ended = await harness.deliver_batch(
+        [
+            Message("payment.requested", body, key="p1"),
+            Message("payment.requested", payment("p2", "bob", 1), key="p2"),
+            Message("payment.requested", body, key="p1"),
+        ]
+    )
+
+    assert [d.outcome for d in ended] == ["processed", "processed", "duplicate"]
+    assert await scalar(engine, "SELECT count(*) FROM ledger_entries") == 2
+    assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account = 'alice'") == 250
+    assert [e.routing_key for e in ended[0].events] == ["payment.settled"]
+    assert ended[2].events == ()
+    assert ended[2].result == ended[0].result
+    assert len(harness.published) == 2
+
+
+async def test_a_workflow_in_a_batch_runs_alone(engine: AsyncEngine) -> None:
+    # Given a plain handler and a workflow that each note their transaction's id
+    router = Router()
+    transactions: dict[str, int] = {}
+
+    async def transaction_id(ctx: Context) -> int:
+        return int((await ctx.connection.execute(text("SELECT txid_current()"))).scalar_one())
+
+    @router.handler("plain")
+    async def plain(body: dict[str, Any], ctx: Context) -> None:
+        transactions[ctx.key] = await transaction_id(ctx)
+
+    @router.workflow("flow")
+    async def flow(body: dict[str, Any], wf: Workflow) -> None:
+        transactions["flow"] = await wf.step("note", transaction_id)
+
+    # When a batch holds a workflow between two plain messages
+    ended = await Harness(router, engine).deliver_batch(
+        [Message("plain", {}, key="a"), Message("flow", {}, key="f"), Message("plain", {}, key="b")]
+    )
+
+    # Then the plain ones shared one transaction and the workflow ran in its own
+    assert [d.outcome for d in ended] == ["processed"] * 3
+    assert transactions["a"] == transactions["b"] != transactions["flow"]
+    assert await rows(engine, "SELECT key, step FROM workflow_steps") == [("f", "note")]
+
+
+async def test_a_batch_that_fails_as_a_whole_is_redone_one_delivery_at_a_time(
+    engine: AsyncEngine,
+) -> None:
+    # Given a batch handler that returns one result too few for a batch of several
+    router = Router()
+    calls: list[list[int]] = []
+
+    @router.batch_handler("short")
+    async def short(bodies: list[int], batch: Batch) -> list[int]:
+        calls.append(list(bodies))
+        return bodies[: max(1, len(bodies) - 1)]
+
+    # When three messages come as one batch
+    ended = await Harness(router, engine).deliver_batch(
+        [Message("short", n, key=f"k{n}") for n in range(3)]
+    )
+
+    # Then the shared transaction failed and each ran in one of its own
+    assert [(d.outcome, d.result) for d in ended] == [("processed", n) for n in range(3)]
+    assert calls == [[0, 1, 2], [0], [1], [2]]
+
+
+async def test_a_failure_to_retry_later_in_a_batch_is_raised_after_the_others_ended(
+    engine: AsyncEngine,
+) -> None:
+    # Given a handler that always fails transiently for one of its messages
+    router = Router()
+    calls: list[str] = []
+
+    @router.handler("busy")
+    async def busy(body: dict[str, Any], ctx: Context) -> None:
+        calls.append(ctx.key)
+        if body["busy"]:
+            raise Retryable("the provider is busy")
+
+    harness = Harness(router, engine)  # one try in process, then a delayed retry
+
+    # When it comes in a batch with a message that succeeds, the delayed retry is raised
+    with pytest.raises(Retryable):
+        await harness.deliver_batch(
+            [Message("busy", {"busy": True}, key="k1"), Message("busy", {"busy": False}, key="k2")]
+        )
+
+    # Then only after the other one committed: k1 failed in the batch, then once alone
+    assert [(d.key, d.outcome) for d in harness.deliveries] == [("k2", "processed")]
+    assert await rows(engine, "SELECT key, status FROM inbox") == [("k2", "completed")]
+    assert calls == ["k1", "k2", "k1"]
 
 
 # The harness and the real worker agree

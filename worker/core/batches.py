@@ -1,25 +1,55 @@
-"""How a batch of deliveries is split before its transaction and sorted after its commit.
+"""How a batch of deliveries is checked and split before its transaction, and sorted after its
+commit.
 
-Both the consumer (``transport.consumer``) and the test harness (``worker.testing``) take
-their batches through these two functions, so a user's test sees the grouping, the isolation
-of culprits and where each delivery goes next exactly as the running worker does. Both are
-transport-neutral: a delivery is any object ``M`` the caller pairs with its opened envelope.
+Both the consumer (``transport.consumer``) and the test harness (``worker.testing``) take their
+batches through these functions (``checked``, ``grouped``, ``after_commit``), so a user's test
+sees the grouping, the isolation of culprits and where each delivery goes next exactly as the
+running worker does. All are transport-neutral: a delivery is any object ``M`` the caller pairs
+with its ``Delivery`` or its opened envelope.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from worker.core.envelope import Envelope
+from worker.core.envelope import Delivery, Envelope
 from worker.core.handler import HandlerKind
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import Ended, Isolated
-from worker.errors import Fault, KeyReused, classify, handler_failed
+from worker.errors import CheckFailed, Fault, KeyReused, Rejected, classify, handler_failed
 from worker.sql.rows import InboxKey
 
 M = TypeVar("M")
+
+
+@dataclass
+class Checked(Generic[M]):
+    """A batch's deliveries after their checks: ``opened`` passed them (with their envelopes);
+    ``rejected`` failed them (with the delivery and why), and take their failure path."""
+
+    opened: list[tuple[M, Envelope]] = field(default_factory=list)
+    rejected: list[tuple[M, Delivery, Rejected]] = field(default_factory=list)
+
+
+def checked(
+    deliveries: Sequence[tuple[M, Delivery]], open_one: Callable[[Delivery], Envelope]
+) -> Checked[M]:
+    """Check each delivery with ``open_one`` (``open_envelope`` with the worker's limits), in
+    their order. Nothing a message holds raises past its checks: an error that is no
+    ``Rejected`` rejects the delivery as ``CheckFailed``, caused by that error."""
+    result: Checked[M] = Checked()
+    for message, delivery in deliveries:
+        try:
+            result.opened.append((message, open_one(delivery)))
+        except Rejected as exc:
+            result.rejected.append((message, delivery, exc))
+        except Exception as exc:
+            failed = CheckFailed(f"{type(exc).__name__}: {exc}")
+            failed.__cause__ = exc
+            result.rejected.append((message, delivery, failed))
+    return result
 
 
 @dataclass

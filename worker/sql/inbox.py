@@ -1,5 +1,9 @@
 """The inbox's statements: claiming idempotency keys, completing or failing them, and
 the steps of workflows that hold a key between transactions.
+
+Each statement is a named constant written whole, with fixed ``$1..$n`` parameters, run on the
+asyncpg connection of the caller's transaction (``driver.in_transaction``) as a prepared
+statement; arrays and ``unnest`` carry a batch in one round trip.
 """
 
 from __future__ import annotations
@@ -8,22 +12,9 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import (
-    Float,
-    bindparam,
-    delete,
-    func,
-    or_,
-    select,
-    update,
-)
-from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.ext.asyncio import AsyncConnection
-
 from worker.core.codec import to_jsonable
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import MAX_ATTEMPTS, InboxEntry, InboxKey, KeyClaim
-from worker.sql.tables import inbox, workflow_steps
 
 CLAIM_KEYS = """
 WITH claims AS (
@@ -54,34 +45,19 @@ JOIN inbox AS i ON i.handler = k.handler AND i.key = k.key
 """
 
 
-def mark_completed(first: int) -> str:
-    """``UPDATE inbox`` marking keys completed with their results, given as three arrays,
-    parameters ``$first`` to ``$first+2`` (handlers, keys, results as JSON text)."""
-    p = [f"${first + i}" for i in range(3)]
-    return f"""
+COMPLETE_KEYS = """
 UPDATE inbox AS i
 SET status = 'completed', result = d.result::jsonb, owner = NULL, lease_until = NULL,
     updated_at = now()
-FROM unnest({p[0]}::text[], {p[1]}::text[], {p[2]}::text[]) AS d(handler, key, result)
+FROM unnest($1::text[], $2::text[], $3::text[]) AS d(handler, key, result)
 WHERE i.handler = d.handler AND i.key = d.key
 """
-
-
-def delete_claims(first: int) -> str:
-    """``DELETE FROM inbox`` of claims this transaction made (and nobody else can see yet) of keys
-    given as two arrays, parameters ``$first`` and ``$first+1`` (handlers, keys)."""
-    return f"""
-DELETE FROM inbox AS i
-USING unnest(${first}::text[], ${first + 1}::text[]) AS r(handler, key)
-WHERE i.handler = r.handler AND i.key = r.key
-"""
-
-
-COMPLETE_KEYS = mark_completed(1)
+"""Mark keys completed with their results, given as three arrays (``completion_arrays``)."""
 
 
 def completion_arrays(results: Sequence[tuple[str, str, Any]]) -> list[list[Any]]:
-    """The three arrays ``mark_completed`` takes, from (handler, key, result)."""
+    """The three arrays ``COMPLETE_KEYS`` takes, from (handler, key, result): handlers, keys,
+    results as JSON text."""
     return [
         [handler for handler, _, _ in results],
         [key for _, key, _ in results],
@@ -108,7 +84,7 @@ async def claim_keys(
 
     A unit of work's claim is written ``completed`` at once, with no result: nobody sees it
     before the commit, when it is true, and a handler that returns nothing then needs no second
-    write of the row (``mark_completed`` stores a result). A workflow's claim is ``in_progress``,
+    write of the row (``complete_keys`` stores a result). A workflow's claim is ``in_progress``,
     visible between its steps: it names its ``owner`` and holds the key for ``lease`` seconds.
     """
     driver = await in_transaction(conn)
@@ -133,11 +109,6 @@ def _entry(row: Sequence[Any]) -> InboxEntry:
     return InboxEntry(
         status, bytes(fingerprint), None if result is None else json.loads(result), error
     )
-
-
-def interval(value: float) -> Any:
-    """An SQL interval of ``value`` seconds."""
-    return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(None, value, type_=Float))
 
 
 async def fetch_keys(conn: Connection, keys: Sequence[InboxKey]) -> dict[InboxKey, InboxEntry]:
@@ -204,88 +175,103 @@ async def record_failure(conn: Connection, claim: KeyClaim, *, error: str, attem
     await record_failures(conn, [(claim, error, attempts)])
 
 
-async def clear_failure(conn: AsyncConnection, handler: str, key: str) -> bool:
+CLEAR_FAILURE_OF_WORKFLOW = """
+UPDATE inbox
+SET status = 'in_progress', error = NULL, owner = NULL, lease_until = now()
+WHERE handler = $1 AND key = $2 AND status = 'failed' AND recovery_point IS NOT NULL
+RETURNING key
+"""
+"""A failed workflow with committed steps back to in progress, its lease expired."""
+
+CLEAR_FAILURE = """
+DELETE FROM inbox WHERE handler = $1 AND key = $2 AND status = 'failed' RETURNING key
+"""
+"""Forget a failed key that has no committed steps."""
+
+
+async def clear_failure(conn: Connection, handler: str, key: str) -> bool:
     """Forget that (handler, key) failed, so its next delivery runs; False if it had not.
 
     A workflow that had committed steps goes back to in progress with its lease expired, so the
     next delivery takes it over and resumes after its last committed step.
     """
-    failed = (inbox.c.handler == handler, inbox.c.key == key, inbox.c.status == "failed")
-    resumed = await conn.execute(
-        update(inbox)
-        .where(*failed, inbox.c.recovery_point.is_not(None))
-        .values(status="in_progress", error=None, owner=None, lease_until=func.now())
-        .returning(inbox.c.key)
-    )
-    if resumed.first() is not None:
+    driver = await in_transaction(conn)
+    if await driver.fetchval(CLEAR_FAILURE_OF_WORKFLOW, handler, key) is not None:
         return True
-    deleted = await conn.execute(delete(inbox).where(*failed).returning(inbox.c.key))
-    return deleted.first() is not None
+    return await driver.fetchval(CLEAR_FAILURE, handler, key) is not None
+
+
+TAKE_OVER_WORKFLOW = """
+WITH free AS (
+    SELECT handler, key FROM inbox
+    WHERE handler = $1 AND key = $2 AND status = 'in_progress'
+      AND (owner IS NULL OR lease_until <= now())
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE inbox AS i
+SET owner = $3, lease_until = now() + make_interval(secs => $4::float8),
+    attempts = i.attempts + 1, updated_at = now()
+FROM free
+WHERE i.handler = free.handler AND i.key = free.key
+RETURNING i.key
+"""
 
 
 async def take_over_workflow(
-    conn: AsyncConnection, handler: str, key: str, *, owner: str, lease: float
+    conn: Connection, handler: str, key: str, *, owner: str, lease: float
 ) -> bool:
     """Make ``owner`` the owner of an in-progress workflow whose lease expired or was released.
 
     Compare-and-set: a workflow with a live lease, or one whose step transaction holds its row
     right now (``SKIP LOCKED``), is left alone and False is returned.
     """
-    free = (
-        select(inbox.c.handler, inbox.c.key)
-        .where(
-            inbox.c.handler == handler,
-            inbox.c.key == key,
-            inbox.c.status == "in_progress",
-            or_(inbox.c.owner.is_(None), inbox.c.lease_until <= func.now()),
-        )
-        .with_for_update(skip_locked=True)
-        .cte("free")
-    )
-    taken = await conn.execute(
-        update(inbox)
-        .where(inbox.c.handler == free.c.handler, inbox.c.key == free.c.key)
-        .values(
-            owner=owner,
-            lease_until=func.now() + interval(lease),
-            attempts=inbox.c.attempts + 1,
-            updated_at=func.now(),
-        )
-        .returning(inbox.c.key)
-    )
-    return taken.first() is not None
+    driver = await in_transaction(conn)
+    return await driver.fetchval(TAKE_OVER_WORKFLOW, handler, key, owner, lease) is not None
 
 
-async def hold_workflow(conn: AsyncConnection, handler: str, key: str, owner: str) -> bool:
+HOLD_WORKFLOW = """
+SELECT key FROM inbox
+WHERE handler = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'
+FOR UPDATE
+"""
+
+
+async def hold_workflow(conn: Connection, handler: str, key: str, owner: str) -> bool:
     """Lock the workflow's inbox row until commit if ``owner`` still owns it; False if not.
 
     While a step's transaction holds the row, no other delivery can take the workflow over.
     """
-    stmt = (
-        select(inbox.c.key)
-        .where(
-            inbox.c.handler == handler,
-            inbox.c.key == key,
-            inbox.c.owner == owner,
-            inbox.c.status == "in_progress",
-        )
-        .with_for_update()
-    )
-    return (await conn.execute(stmt)).first() is not None
+    driver = await in_transaction(conn)
+    return await driver.fetchval(HOLD_WORKFLOW, handler, key, owner) is not None
 
 
-async def workflow_outputs(conn: AsyncConnection, handler: str, key: str) -> dict[str, Any]:
+WORKFLOW_OUTPUTS = """
+SELECT step, output::text FROM workflow_steps WHERE handler = $1 AND key = $2 ORDER BY position
+"""
+
+
+async def workflow_outputs(conn: Connection, handler: str, key: str) -> dict[str, Any]:
     """The outputs of the workflow's committed steps, by step name, in the order they ran."""
-    stmt = (
-        select(workflow_steps.c.step, workflow_steps.c.output)
-        .where(workflow_steps.c.handler == handler, workflow_steps.c.key == key)
-        .order_by(workflow_steps.c.position)
-    )
-    return {step: output for step, output in await conn.execute(stmt)}
+    driver = await in_transaction(conn)
+    rows = await driver.fetch(WORKFLOW_OUTPUTS, handler, key)
+    return {step: None if output is None else json.loads(output) for step, output in rows}
+
+
+RECORD_STEP_OUTPUT = """
+INSERT INTO workflow_steps (handler, key, step, position, output)
+VALUES ($1, $2, $3, $4, $5::text::jsonb)
+"""
+
+ADVANCE_RECOVERY_POINT = """
+UPDATE inbox
+SET recovery_point = $3, lease_until = now() + make_interval(secs => $4::float8),
+    updated_at = now()
+WHERE handler = $1 AND key = $2
+"""
 
 
 async def record_step(
-    conn: AsyncConnection,
+    conn: Connection,
     handler: str,
     key: str,
     *,
@@ -295,31 +281,20 @@ async def record_step(
     lease: float,
 ) -> None:
     """Store a step's output, make it the recovery point and renew the owner's lease."""
-    await conn.execute(
-        insert(workflow_steps).values(
-            handler=handler, key=key, step=step, position=position, output=to_jsonable(output)
-        )
+    driver = await in_transaction(conn)
+    await driver.execute(
+        RECORD_STEP_OUTPUT, handler, key, step, position, json.dumps(to_jsonable(output))
     )
-    await conn.execute(
-        update(inbox)
-        .where(inbox.c.handler == handler, inbox.c.key == key)
-        .values(
-            recovery_point=step,
-            lease_until=func.now() + interval(lease),
-            updated_at=func.now(),
-        )
-    )
+    await driver.execute(ADVANCE_RECOVERY_POINT, handler, key, step, lease)
 
 
-async def release_workflow(conn: AsyncConnection, handler: str, key: str, owner: str) -> None:
+RELEASE_WORKFLOW = """
+UPDATE inbox SET owner = NULL, lease_until = now()
+WHERE handler = $1 AND key = $2 AND owner = $3 AND status = 'in_progress'
+"""
+
+
+async def release_workflow(conn: Connection, handler: str, key: str, owner: str) -> None:
     """Give up ownership at once (after a failed try) so the next delivery need not wait."""
-    await conn.execute(
-        update(inbox)
-        .where(
-            inbox.c.handler == handler,
-            inbox.c.key == key,
-            inbox.c.owner == owner,
-            inbox.c.status == "in_progress",
-        )
-        .values(owner=None, lease_until=func.now())
-    )
+    driver = await in_transaction(conn)
+    await driver.execute(RELEASE_WORKFLOW, handler, key, owner)

@@ -19,8 +19,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.sql.driver import Connection, in_transaction
-from worker.sql.inbox import interval
-from worker.sql.tables import ingress_requests
+from worker.sql.tables import ingress_requests, interval
 
 
 @dataclass(frozen=True)

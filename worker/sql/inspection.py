@@ -22,9 +22,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from worker.sql.inbox import interval
 from worker.sql.outbox import lock_ordering_keys
-from worker.sql.tables import inbox, outbox, outbox_parked
+from worker.sql.tables import inbox, interval, outbox, outbox_parked
 
 
 @dataclass(frozen=True)

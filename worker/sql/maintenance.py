@@ -14,8 +14,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from worker.sql.inbox import interval
-from worker.sql.tables import inbox
+from worker.sql.tables import inbox, interval
 
 
 async def applied_revisions(conn: AsyncConnection, version_table: str) -> frozenset[str]:

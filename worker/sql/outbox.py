@@ -1,5 +1,9 @@
 """The outbox's statements: appending events in the caller's transaction (ordering-key
 locks, NOTIFY), and claiming, deleting or failing rows for a relay.
+
+Each statement is a named constant written whole, with fixed ``$1..$n`` parameters, run on the
+asyncpg connection of the caller's transaction (``driver.in_transaction``) as a prepared
+statement; arrays and ``unnest`` carry a batch in one round trip.
 """
 
 from __future__ import annotations
@@ -11,31 +15,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import (
-    BigInteger,
-    Select,
-    Text,
-    all_,
-    and_,
-    any_,
-    bindparam,
-    delete,
-    exists,
-    func,
-    or_,
-    select,
-    update,
-)
-from sqlalchemy.dialects.postgresql import ARRAY, insert
-from sqlalchemy.dialects.postgresql.asyncpg import dialect as asyncpg_dialect
-from sqlalchemy.ext.asyncio import AsyncConnection
-from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.sql.expression import ClauseElement
-
 from worker.core.codec import to_jsonable
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import OutboxMessage
-from worker.sql.tables import outbox, outbox_parked
 
 OUTBOX_CHANNEL = "worker_outbox"
 """The LISTEN/NOTIFY channel relays wait on; a notification is only a hint to look now."""
@@ -47,43 +29,40 @@ RETRY_DELAY_CAP_SECONDS = 300.0
 """A failed outbox row is retried at least this often, however many attempts it has had."""
 
 
-def lock_keys(param: int) -> str:
-    """The expression that takes the advisory lock of each ordering key in the array
-    ``$param``, in the array's order, held until commit (an aggregate: one row)."""
-    return (
-        f"count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))) "
-        f"FROM unnest(${param}::text[]) WITH ORDINALITY AS k(key, position)"
-    )
-
-
 NOTIFY_RELAYS = f"pg_notify('{OUTBOX_CHANNEL}', '')"
 """The NOTIFY that wakes listening relays; delivered at commit, once however often it is sent."""
 
-LOCK_ORDERING_KEYS = f"SELECT {lock_keys(1)}"
-LOCK_ORDERING_KEYS_AND_NOTIFY = f"SELECT {NOTIFY_RELAYS}, {lock_keys(1)}"
+LOCK_ORDERING_KEYS = f"""
+SELECT count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+"""Take the advisory lock of each ordering key in the array ``$1``, in the array's order, held
+until commit (an aggregate: one row)."""
 
+LOCK_ORDERING_KEYS_AND_NOTIFY = f"""
+SELECT {NOTIFY_RELAYS}, count(pg_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key)))
+FROM unnest($1::text[]) WITH ORDINALITY AS k(key, position)
+"""
+"""``LOCK_ORDERING_KEYS``, and one NOTIFY for relays (the aggregate makes it run once)."""
 
-def insert_events(first: int, where: str = "TRUE") -> str:
-    """``INSERT INTO outbox`` of the events given as nine arrays, parameters ``$first`` to
-    ``$first+8`` (message ids, exchanges, routing keys, bodies, content types, headers as JSON
-    text, correlation ids, causation ids, ordering keys), in the arrays' order, ``where`` true."""
-    p = [f"${first + i}" for i in range(9)]
-    return f"""
+APPEND_OUTBOX = """
 INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
                     correlation_id, causation_id, ordering_key)
 SELECT m.message_id, m.exchange, m.routing_key, m.body, m.content_type, m.headers::jsonb,
        m.correlation_id, m.causation_id, m.ordering_key
-FROM unnest({p[0]}::uuid[], {p[1]}::text[], {p[2]}::text[], {p[3]}::bytea[], {p[4]}::text[],
-            {p[5]}::text[], {p[6]}::text[], {p[7]}::text[], {p[8]}::text[])
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[],
+            $6::text[], $7::text[], $8::text[], $9::text[])
      WITH ORDINALITY AS m(message_id, exchange, routing_key, body, content_type, headers,
                           correlation_id, causation_id, ordering_key, position)
-WHERE {where}
 ORDER BY m.position
 """
+"""Insert the events given as nine arrays (``event_arrays``), in the arrays' order."""
 
 
 def event_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
-    """The nine arrays ``insert_events`` takes, one element per message."""
+    """The nine arrays ``APPEND_OUTBOX`` takes, one element per message (message ids, exchanges,
+    routing keys, bodies, content types, headers as JSON text, correlation ids, causation ids,
+    ordering keys)."""
     return [
         [m.message_id for m in messages],
         [m.exchange for m in messages],
@@ -101,9 +80,6 @@ def ordering_keys_of(messages: Sequence[OutboxMessage]) -> list[str]:
     """The distinct ordering keys of ``messages``, sorted: the order their locks are taken in, so
     that two transactions cannot deadlock on them."""
     return sorted({m.ordering_key for m in messages if m.ordering_key is not None})
-
-
-APPEND_OUTBOX = insert_events(1)
 
 
 async def lock_ordering_keys(
@@ -155,74 +131,49 @@ class OutboxRow:
     created_at: datetime
 
 
-_OUTBOX_ROW_COLUMNS = [outbox.c[name] for name in OutboxRow.__dataclass_fields__]
+CLAIM_OUTBOX = """
+WITH claimed AS MATERIALIZED (
+    SELECT o.id, o.message_id, o.exchange, o.routing_key, o.body, o.content_type, o.headers,
+           o.correlation_id, o.causation_id, o.ordering_key, o.attempts, o.created_at
+    FROM outbox AS o
+    WHERE o.available_at <= now()
+      AND (o.ordering_key IS NULL
+           OR o.ordering_key != ALL ($1::text[])
+              AND NOT EXISTS (SELECT * FROM outbox AS waiting
+                              WHERE waiting.ordering_key = o.ordering_key
+                                AND waiting.id < o.id AND waiting.available_at > now()))
+    ORDER BY o.id
+    LIMIT $2
+    FOR UPDATE OF o SKIP LOCKED
+)
+SELECT claimed.id, claimed.message_id, claimed.exchange, claimed.routing_key, claimed.body,
+       claimed.content_type, claimed.headers, claimed.correlation_id, claimed.causation_id,
+       claimed.ordering_key, claimed.attempts, claimed.created_at
+FROM claimed
+WHERE claimed.ordering_key IS NULL
+   OR NOT EXISTS (SELECT * FROM outbox AS older
+                  WHERE older.ordering_key = claimed.ordering_key AND older.id < claimed.id
+                    AND older.id NOT IN (SELECT claimed.id FROM claimed))
+ORDER BY claimed.id
+"""
+"""``claim_outbox``'s one statement ($1: the busy ordering keys, $2: the limit): lock due rows,
+then keep each key's unbroken run.
 
-
-def _claim_statement() -> Select[Any]:
-    """``claim_outbox``'s one statement: lock due rows, then keep each key's unbroken run.
-
-    The ``claimed`` CTE (``MATERIALIZED``: it runs, and locks, exactly once) locks up to
-    ``:limit`` due rows in id order, skipping rows other transactions hold, every row of an
-    ordering key in ``:busy``, and every row of a key with an older row waiting for its retry
-    (those could only be held back, and a long run of them would fill every claim's limit and
-    stall all other keys until the failed row is published or parked). The outer query returns
-    the rows of no key, and a key's row only when no older row of its key is left outside
-    ``claimed`` (held by another relay, committed since the CTE looked, or beyond the limit).
-    """
-    waiting = outbox.alias("waiting")
-    behind_a_retry = exists().where(
-        waiting.c.ordering_key == outbox.c.ordering_key,
-        waiting.c.id < outbox.c.id,
-        waiting.c.available_at > func.now(),
-    )
-    claimed = (
-        select(*_OUTBOX_ROW_COLUMNS)
-        .where(
-            outbox.c.available_at <= func.now(),
-            or_(
-                outbox.c.ordering_key.is_(None),
-                and_(
-                    outbox.c.ordering_key != all_(bindparam("busy", type_=ARRAY(Text))),
-                    ~behind_a_retry,
-                ),
-            ),
-        )
-        .order_by(outbox.c.id)
-        .limit(bindparam("limit"))
-        .with_for_update(skip_locked=True, of=outbox)
-        .cte("claimed")
-        .prefix_with("MATERIALIZED")
-    )
-    older = outbox.alias("older")
-    left_behind = exists().where(
-        older.c.ordering_key == claimed.c.ordering_key,
-        older.c.id < claimed.c.id,
-        older.c.id.not_in(select(claimed.c.id)),
-    )
-    return (
-        select(claimed)
-        .where(or_(claimed.c.ordering_key.is_(None), ~left_behind))
-        .order_by(claimed.c.id)
-    )
-
-
-def for_driver(statement: ClauseElement, *order: str) -> str:
-    """``statement`` compiled once for asyncpg, to run on the driver as a prepared statement
-    (no SQLAlchemy execution layer per call); its ``$n`` parameters must be ``order``."""
-    compiled = statement.compile(dialect=asyncpg_dialect())  # type: ignore[no-untyped-call]
-    assert isinstance(compiled, SQLCompiler)
-    assert tuple(compiled.positiontup or ()) == order, compiled.positiontup
-    return str(compiled)
-
-
-CLAIM_OUTBOX = for_driver(_claim_statement(), "busy", "limit")
+The ``claimed`` CTE (``MATERIALIZED``: it runs, and locks, exactly once) locks up to ``$2`` due
+rows in id order, skipping rows other transactions hold, every row of an ordering key in ``$1``,
+and every row of a key with an older row waiting for its retry (those could only be held back,
+and a long run of them would fill every claim's limit and stall all other keys until the failed
+row is published or parked). The outer query returns the rows of no key, and a key's row only
+when no older row of its key is left outside ``claimed`` (held by another relay, committed since
+the CTE looked, or beyond the limit)."""
 
 
 async def claim_outbox(
     conn: Connection, limit: int, *, busy: Collection[str] = ()
 ) -> list[OutboxRow]:
     """Lock up to ``limit`` due rows in id order, skipping rows other relays hold and the rows
-    of the ordering keys in ``busy`` (the keys this relay still has in flight); one round trip.
+    of the ordering keys in ``busy`` (the keys this relay still has in flight); one round trip
+    (``CLAIM_OUTBOX``).
 
     Of an ordering key's rows only an unbroken run from the key's oldest row is returned: a row
     whose older sibling is held by another relay, waiting for a retry, or not claimed here stays
@@ -244,11 +195,9 @@ def _outbox_row(row: Sequence[Any]) -> OutboxRow:
     return OutboxRow(*fields)
 
 
-_IDS_IN = outbox.c.id == any_(bindparam("ids", type_=ARRAY(BigInteger)))
-"""``outbox.id = ANY(:ids)``: one statement text however many ids (a statement whose text
-changes with its batch is compiled and prepared again every time)."""
-
-DELETE_OUTBOX = for_driver(delete(outbox).where(_IDS_IN), "ids")
+DELETE_OUTBOX = "DELETE FROM outbox WHERE id = ANY($1::bigint[])"
+"""Delete the rows of the ids in ``$1``: one statement text however many ids (a statement whose
+text changes with its batch is compiled and prepared again every time)."""
 
 
 async def delete_outbox(conn: Connection, ids: Sequence[int]) -> None:
@@ -258,8 +207,36 @@ async def delete_outbox(conn: Connection, ids: Sequence[int]) -> None:
         await driver.execute(DELETE_OUTBOX, list(ids))
 
 
+FAIL_OUTBOX_ROW = f"""
+UPDATE outbox
+SET attempts = attempts + 1, last_error = $2,
+    available_at = now() + make_interval(
+        secs => least({RETRY_DELAY_CAP_SECONDS}::float8, $3::float8 * power(2, attempts)))
+WHERE id = $1
+"""
+"""Count a failed publish of row ``$1`` with error ``$2``: it waits ``$3 * 2**attempts`` seconds
+(its attempts before this one; at most ``RETRY_DELAY_CAP_SECONDS``)."""
+
+PARK_OUTBOX_ROWS = """
+WITH moved AS (
+    DELETE FROM outbox
+    WHERE id = ANY($1::bigint[]) AND attempts >= $2
+    RETURNING id, message_id, exchange, routing_key, body, content_type, headers,
+              correlation_id, causation_id, ordering_key, attempts, last_error, created_at
+)
+INSERT INTO outbox_parked (id, message_id, exchange, routing_key, body, content_type, headers,
+                           correlation_id, causation_id, ordering_key, attempts, last_error,
+                           created_at)
+SELECT id, message_id, exchange, routing_key, body, content_type, headers,
+       correlation_id, causation_id, ordering_key, attempts, last_error, created_at
+FROM moved
+RETURNING id
+"""
+"""Move the rows of the ids in ``$1`` that have had ``$2`` attempts to ``outbox_parked``."""
+
+
 async def fail_outbox(
-    conn: AsyncConnection,
+    conn: Connection,
     errors: Mapping[int, str],
     *,
     max_attempts: int,
@@ -273,30 +250,9 @@ async def fail_outbox(
     """
     if not errors:
         return []
-    delay = func.least(
-        RETRY_DELAY_CAP_SECONDS,
-        bindparam("retry_delay") * func.power(2, outbox.c.attempts),
+    driver = await in_transaction(conn)
+    await driver.executemany(
+        FAIL_OUTBOX_ROW, [(row_id, error, retry_delay) for row_id, error in errors.items()]
     )
-    await conn.execute(
-        update(outbox)
-        .where(outbox.c.id == bindparam("row_id"))
-        .values(
-            attempts=outbox.c.attempts + 1,
-            last_error=bindparam("error"),
-            available_at=func.now() + func.make_interval(0, 0, 0, 0, 0, 0, delay),
-        ),
-        [{"row_id": i, "error": e, "retry_delay": retry_delay} for i, e in errors.items()],
-    )
-    columns = [c.name for c in outbox_parked.c if c.name != "parked_at"]
-    moved = (
-        delete(outbox)
-        .where(_IDS_IN, outbox.c.attempts >= max_attempts)
-        .returning(*(outbox.c[name] for name in columns))
-        .cte("moved")
-    )
-    park = (
-        insert(outbox_parked)
-        .from_select(columns, select(*(moved.c[name] for name in columns)))
-        .returning(outbox_parked.c.id)
-    )
-    return [row_id for (row_id,) in await conn.execute(park, {"ids": list(errors)})]
+    rows = await driver.fetch(PARK_OUTBOX_ROWS, list(errors), max_attempts)
+    return [row_id for (row_id,) in rows]

@@ -18,8 +18,7 @@ from datetime import datetime
 from sqlalchemy import delete, exists, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from worker.sql.inbox import interval
-from worker.sql.tables import dead_letters
+from worker.sql.tables import dead_letters, interval
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,15 @@ holds one row per copy the worker itself parked in the dead-letter queue, the pr
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
     Column,
     DateTime,
+    Float,
     ForeignKeyConstraint,
     Identity,
     Index,
@@ -29,6 +32,7 @@ from sqlalchemy import (
     Table,
     Text,
     Uuid,
+    bindparam,
     func,
     text,
 )
@@ -164,3 +168,8 @@ dead_letters = Table(
     Index(None, "parked_at"),
     Index(None, "handler", "key"),
 )
+
+
+def interval(value: float) -> Any:
+    """An SQL interval of ``value`` seconds, for the SQLAlchemy Core statements on these tables."""
+    return func.make_interval(0, 0, 0, 0, 0, 0, bindparam(None, value, type_=Float))
