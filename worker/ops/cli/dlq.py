@@ -235,9 +235,9 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import dlq
 
     selection = _selection(args)
-
-    async def replay(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
-        outcomes = dlq.replaying(
+    done, refused = _bulk(
+        settings,
+        lambda connection, engine: dlq.replaying(
             connection,
             engine,
             settings,
@@ -245,12 +245,10 @@ def _replay(settings: Settings, args: argparse.Namespace) -> int:
             limit=args.limit,
             force=args.force,
             dry_run=args.dry_run,
-        )
-        return await _report(
-            outcomes, "would replay" if args.dry_run else "replayed", verbose=args.verbose
-        )
-
-    done, refused = asyncio.run(_with_dlq(settings, replay))
+        ),
+        "would replay" if args.dry_run else "replayed",
+        verbose=args.verbose,
+    )
     said = f"{done} message(s) sent back to {settings.queue}"
     if args.dry_run:
         said = f"dry run: {done} message(s) would be sent back to {settings.queue}"
@@ -297,21 +295,19 @@ def _purge(settings: Settings, args: argparse.Namespace) -> int:
     selection = _selection(args)
     if not selection.filters and not args.all:
         raise ConfigurationError("dlq purge needs --key, --reason, --handler or --all")
-
-    async def purge(connection: AbstractRobustConnection, engine: AsyncEngine) -> tuple[int, int]:
-        outcomes = dlq.purging(
+    done, refused = _bulk(
+        settings,
+        lambda connection, engine: dlq.purging(
             connection,
             engine,
             settings,
             selection=selection,
             limit=args.limit,
             dry_run=args.dry_run,
-        )
-        return await _report(
-            outcomes, "would purge" if args.dry_run else "purged", verbose=args.verbose
-        )
-
-    done, refused = asyncio.run(_with_dlq(settings, purge))
+        ),
+        "would purge" if args.dry_run else "purged",
+        verbose=args.verbose,
+    )
     if args.dry_run:
         said = f"dry run: {done} message(s) would be purged from {settings.dead_letter_queue}"
     else:
@@ -343,6 +339,24 @@ PURGE = Command(
     "a summary by reason and handler (--verbose: a line per message too).",
     options=_purge_options,
 )
+
+
+def _bulk(
+    settings: Settings,
+    start: Callable[[AbstractRobustConnection, AsyncEngine], AsyncGenerator[Outcome, None]],
+    done: str,
+    *,
+    verbose: bool,
+) -> tuple[int, int]:
+    """Carry out the bulk ``dlq`` action ``start`` begins, reporting it (``_report``); returns
+    (done, refused)."""
+
+    async def carry_out(
+        connection: AbstractRobustConnection, engine: AsyncEngine
+    ) -> tuple[int, int]:
+        return await _report(start(connection, engine), done, verbose=verbose)
+
+    return asyncio.run(_with_dlq(settings, carry_out))
 
 
 async def _report(
