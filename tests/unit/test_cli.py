@@ -3,15 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
-from worker.ops.cli import EVERY_COMMAND, READS, build_parser, load_settings
+from worker.ops import cli
+from worker.ops.cli import (
+    COMMANDS,
+    EVERY_COMMAND,
+    LEAVES,
+    READS,
+    Family,
+    build_parser,
+    load_settings,
+)
 from worker.ops.cli.run import SERVE
 from worker.settings import FIELDS, Field, Group, Settings
 
@@ -67,6 +78,26 @@ def test_python_m_worker_help_points_to_each_commands_settings() -> None:
 
 def test_every_command_declares_what_it_reads() -> None:
     assert set(leaf_commands(build_parser())) == set(READS)
+
+
+def test_each_command_is_declared_once_under_its_familys_name() -> None:
+    names = [command.name for command in LEAVES]
+    assert len(names) == len(set(names))
+    for family in (entry for entry in COMMANDS if isinstance(entry, Family)):
+        assert all(command.name.startswith(f"{family.name} ") for command in family.commands)
+
+
+def test_no_function_of_the_command_package_is_over_80_lines() -> None:
+    package = Path(cli.__file__).parent
+    long = [
+        f"{module.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for module in sorted(package.glob("*.py"))
+        for node in ast.walk(ast.parse(module.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
 
 
 def test_run_reads_every_group_but_the_ingress() -> None:
