@@ -5,7 +5,7 @@ A page asks for one with a marker on a line of its own, ``<!-- generated: NAME -
 inside an admonition: the section is indented alike):
 
 - ``settings``: the settings table, ``worker.ops.cli.settings_table()`` (from the settings'
-  one declaration in ``worker/settings.py``);
+  one declaration in ``worker/settings.py`` and each command's declaration in ``worker/ops/cli/``);
 - ``commands``: every command of ``worker`` with its one-line help, from the argparse parser
   (``worker.ops.cli.build_parser()``);
 - ``command-reference``: each command's usage, description and own options, from the same

@@ -244,9 +244,9 @@ def _handler_list(raw: str) -> tuple[str, ...]:
 
 
 class Group(enum.Enum):
-    """Which commands read a setting: the settings of a group are read by the same commands
-    (``worker.ops.cli.READS``), so a command takes as flags exactly the groups it reads. The value
-    titles the group's section of a command's ``--help``."""
+    """Which commands read a setting: the settings of a group are read by the same commands (each
+    command's ``reads``, in ``worker/ops/cli/``), so a command takes as flags exactly the groups it
+    reads. The value titles the group's section of a command's ``--help``."""
 
     DEPLOYMENT = "where the database, the broker and the handler modules are"
     LOGGING = "logging"

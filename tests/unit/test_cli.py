@@ -3,16 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import re
 import sys
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import WORKER_SCRIPT, run
 from worker.errors import ConfigurationError
 from worker.ops import cli
-from worker.ops.cli import EVERY_COMMAND, READS, _load_settings, build_parser
+from worker.ops.cli import (
+    COMMANDS,
+    EVERY_COMMAND,
+    LEAVES,
+    READS,
+    Family,
+    build_parser,
+    load_settings,
+)
+from worker.ops.cli.run import SERVE
 from worker.settings import FIELDS, Field, Group, Settings
 
 NEEDS = {"outbox retry": ["--all"], "dlq show": ["sha256:0"]}
@@ -69,6 +80,26 @@ def test_every_command_declares_what_it_reads() -> None:
     assert set(leaf_commands(build_parser())) == set(READS)
 
 
+def test_each_command_is_declared_once_under_its_familys_name() -> None:
+    names = [command.name for command in LEAVES]
+    assert len(names) == len(set(names))
+    for family in (entry for entry in COMMANDS if isinstance(entry, Family)):
+        assert all(command.name.startswith(f"{family.name} ") for command in family.commands)
+
+
+def test_no_function_of_the_command_package_is_over_80_lines() -> None:
+    package = Path(cli.__file__).parent
+    long = [
+        f"{module.name}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for module in sorted(package.glob("*.py"))
+        for node in ast.walk(ast.parse(module.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > 80
+    ]
+    assert long == []
+
+
 def test_run_reads_every_group_but_the_ingress() -> None:
     """``worker run`` is a complete deployment of the worker; the HTTP ingress runs apart, in
     ``worker serve``."""
@@ -82,7 +113,7 @@ def test_each_command_takes_the_deployment_flags(
     assert all(group in READS[command] for group in EVERY_COMMAND)
     flags = [_flag(spec, DEPLOYMENT[spec.name]) for spec in _deployment()]
     args = build_parser().parse_args([*command.split(), *flags, *NEEDS.get(command, [])])
-    settings = _load_settings(args)
+    settings = load_settings(args)
     deployment = {spec.name: spec.parse(DEPLOYMENT[spec.name]) for spec in _deployment()}
     assert settings == Settings.load({}, **deployment)
 
@@ -158,7 +189,7 @@ def test_the_environment_still_sets_what_a_command_takes_no_flag_for(
 ) -> None:
     clean_environ.setenv("WORKER_BATCH_LINGER", "5ms")
     clean_environ.setenv("WORKER_PREFETCH", "7")
-    settings = _load_settings(build_parser().parse_args(["dlq", "list"]))
+    settings = load_settings(build_parser().parse_args(["dlq", "list"]))
     assert (settings.batch_linger, settings.prefetch) == (0.005, 7)
 
 
@@ -236,7 +267,7 @@ def test_a_flag_overrides_the_environment(clean_environ: pytest.MonkeyPatch) -> 
     clean_environ.setenv("WORKER_QUEUE", "from-env")
     clean_environ.setenv("WORKER_PREFETCH", "5")
     args = build_parser().parse_args(["run", "--queue", "q"])
-    settings = _load_settings(args)
+    settings = load_settings(args)
     assert settings.queue == "q"
     assert settings.prefetch == 5
 
@@ -244,12 +275,12 @@ def test_a_flag_overrides_the_environment(clean_environ: pytest.MonkeyPatch) -> 
 def test_without_flags_the_environment_applies(clean_environ: pytest.MonkeyPatch) -> None:
     clean_environ.setenv("WORKER_QUEUE", "from-env")
     args = build_parser().parse_args(["run"])
-    assert _load_settings(args).queue == "from-env"
+    assert load_settings(args).queue == "from-env"
 
 
 def test_flags_are_parsed_like_the_environment(clean_environ: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["run", "--handlers", "a, b,,c", "--max-body-bytes", "10"])
-    settings = _load_settings(args)
+    settings = load_settings(args)
     assert settings.handlers == ("a", "b", "c")
     assert settings.max_body_bytes == 10
     assert settings.queue == Settings().queue
@@ -260,7 +291,7 @@ def test_a_bad_environment_value_is_a_configuration_error(
 ) -> None:
     clean_environ.setenv("WORKER_CONCURRENCY", "0")
     with pytest.raises(ConfigurationError, match="WORKER_CONCURRENCY"):
-        _load_settings(build_parser().parse_args(["run"]))
+        load_settings(build_parser().parse_args(["run"]))
 
 
 @pytest.mark.parametrize(
@@ -277,14 +308,14 @@ def test_the_in_process_relay_is_on_unless_turned_off(
 ) -> None:
     if env is not None:
         clean_environ.setenv("WORKER_RELAY", env)
-    assert _load_settings(build_parser().parse_args(["run", *flags])).relay is expected
+    assert load_settings(build_parser().parse_args(["run", *flags])).relay is expected
 
 
 def test_the_relay_command_takes_the_relay_settings(clean_environ: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(
         ["relay", "--relay-batch-size", "5", "--relay-retry-delay", "0.25", "--no-outbox-notify"]
     )
-    settings = _load_settings(args)
+    settings = load_settings(args)
     assert args.command == "relay"
     assert (settings.relay_batch_size, settings.relay_retry_delay) == (5, 0.25)
     assert settings.outbox_notify is False
@@ -309,9 +340,9 @@ def test_every_command_is_listed() -> None:
 
 def test_serve_takes_host_and_port_as_short_flags(clean_environ: pytest.MonkeyPatch) -> None:
     args = build_parser().parse_args(["serve", "--host", "0.0.0.0", "--port", "8001"])
-    settings = _load_settings(args)
+    settings = load_settings(args)
     assert (settings.ingress_host, settings.ingress_port) == ("0.0.0.0", 8001)
-    assert _load_settings(build_parser().parse_args(["serve"])).ingress_port == 8000
+    assert load_settings(build_parser().parse_args(["serve"])).ingress_port == 8000
 
 
 def test_serve_without_the_http_extra_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -326,4 +357,4 @@ def test_serve_without_the_http_extra_says_what_to_install(monkeypatch: pytest.M
     with pytest.raises(
         ConfigurationError, match=re.escape("pip install 'rabbit-outbox-worker[http]'")
     ):
-        cli._serve(Settings(handlers=("examples.payments",)), argparse.Namespace())
+        SERVE.run(Settings(handlers=("examples.payments",)), argparse.Namespace())

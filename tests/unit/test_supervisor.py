@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import WORKER_SCRIPT, run, wait_until
 from worker.errors import ConfigurationError
-from worker.ops.cli import _load_settings, build_parser
+from worker.ops.cli import build_parser, load_settings
 from worker.ops.supervisor import (
     SUPERVISOR_FD_ENV,
     GiveUp,
@@ -267,7 +267,7 @@ def test_a_child_runs_one_process_when_the_environment_asks_for_more(
 ) -> None:
     monkeypatch.setenv("WORKER_PROCESSES", "4")
     args = build_parser().parse_args(child_command(["run"], 0)[3:])
-    assert _load_settings(args).processes == 1
+    assert load_settings(args).processes == 1
 
 
 # A child's side: stopping once the supervisor is gone
