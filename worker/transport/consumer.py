@@ -123,7 +123,9 @@ class Consumer:
         self.copies = CopyPublisher(
             settings, self.subscription, self.settlements, self.telemetry, self.streak, self.gate
         )
-        self.failures = Failures(settings, router, engine, self.copies, self.gate, self.telemetry)
+        self.failures = Failures(
+            settings, router, engine, self.copies, self.gate, self.streak, self.telemetry
+        )
         self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property

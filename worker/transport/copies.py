@@ -45,27 +45,19 @@ the broker's confirm."""
 
 
 @dataclass(frozen=True)
-class FailedDelivery:
-    """A delivery that failed, on its way to where the policy sends it (``envelope`` None when
-    it failed its checks)."""
+class FailureCopy:
+    """The copy (DLQ or delayed-retry) a failed delivery, ``message``, is turned into, for
+    ``reason``, sent by ``publish`` (``envelope`` None when the delivery failed its checks)."""
 
     message: AbstractIncomingMessage
     envelope: Envelope | None
     failure: Failure
+    reason: Reason
+    publish: Publish
 
     def logged(self) -> contextlib.AbstractContextManager[None]:
         """Tag the records logged inside with the delivery's identity."""
         return logs.message_context(self.failure.delivery, self.envelope)
-
-
-@dataclass(frozen=True)
-class FailureCopy:
-    """The copy (DLQ or delayed-retry) ``delivery`` is turned into, for ``reason``, sent by
-    ``publish``."""
-
-    delivery: FailedDelivery
-    reason: Reason
-    publish: Publish
 
 
 async def _confirmed(publishes: Iterable[Awaitable[object]]) -> list[Exception | None]:
@@ -94,7 +86,7 @@ def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
 class CopyPublisher:
     """Publishes one consumer's failure copies on its ``subscription``'s channel and settles
     their deliveries (see the module docstring); an unroutable copy pauses the consumer
-    (``gate``), every dead letter counts in the ``streak``."""
+    (``gate``), a delivery the broker dead-letters counts in the ``streak``."""
 
     def __init__(
         self,
@@ -113,34 +105,39 @@ class CopyPublisher:
         self.gate = gate
         self._lost: OrderedDict[tuple[object, ...], None] = OrderedDict()
 
-    def dlq_copy(self, delivery: FailedDelivery, reason: Reason, record: ParkingRow) -> FailureCopy:
-        """The copy that parks ``delivery`` in the dead-letter queue, as ``record`` says."""
+    def dlq_copy(
+        self,
+        message: AbstractIncomingMessage,
+        envelope: Envelope | None,
+        failure: Failure,
+        reason: Reason,
+        record: ParkingRow,
+    ) -> FailureCopy:
+        """The copy that parks ``message`` in the dead-letter queue, as ``record`` says."""
         topology = self.subscription.topology
         assert topology is not None
         exchange = topology.dead_letter_exchange
-        message, failure = delivery.message, delivery.failure
 
         async def publish(_: AbstractExchange) -> None:
             await dead_letters.park(exchange, message, failure, record)
 
-        return FailureCopy(delivery, reason, publish)
+        return FailureCopy(message, envelope, failure, reason, publish)
 
     @staticmethod
-    def retry_copy(delivery: FailedDelivery, retry_queue: str) -> FailureCopy:
+    def retry_copy(
+        message: AbstractIncomingMessage,
+        envelope: Envelope | None,
+        failure: Failure,
+        retry_queue: str,
+    ) -> FailureCopy:
         """The copy that waits in ``retry_queue`` to come back to the work queue."""
-        message, failure = delivery.message, delivery.failure
 
         async def publish(default_exchange: AbstractExchange) -> None:
             await dead_letters.schedule_retry(
                 default_exchange, message, failure, retry_queue=retry_queue
             )
 
-        return FailureCopy(delivery, Reason.RETRY_FAILED, publish)
-
-    def count_dead_letter(self, failure: Failure, reason: Reason) -> None:
-        """Count one delivery dead-lettered for ``reason``, in the tally and the streak."""
-        self.streak.dead_lettered()
-        self.telemetry.tally.record(failure.handler, Outcome.DEAD_LETTERED, reason)
+        return FailureCopy(message, envelope, failure, Reason.RETRY_FAILED, publish)
 
     async def requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
         """Return ``message`` to the queue untouched (a fault that is not the message's)."""
@@ -200,18 +197,18 @@ class CopyPublisher:
         confirmed = [False] * len(copies)
         sending: list[int] = []
         for index, copy in enumerate(copies):
-            message = copy.delivery.message
+            message = copy.message
             identity = _identity(message)
             if message.redelivered and identity in self._lost:
                 del self._lost[identity]
-                with copy.delivery.logged():
+                with copy.logged():
                     log.error(
                         "message %s came back after its %s copy was lost with the channel; the "
                         "broker dead-letters it as it is",
                         message.message_id,
                         copy.reason,
                     )
-                    await self._reject_to_broker(message, copy.delivery.failure, copy.reason)
+                    await self._reject_to_broker(message, copy.failure, copy.reason)
             else:
                 sending.append(index)
         errors = await _confirmed(
@@ -221,13 +218,13 @@ class CopyPublisher:
             if error is None:
                 confirmed[index] = True
             else:
-                with copies[index].delivery.logged():
+                with copies[index].logged():
                     await self._settle_unconfirmed(copies[index], error)
         return confirmed
 
     async def _settle_unconfirmed(self, copy: FailureCopy, exc: Exception) -> None:
         """Settle the delivery whose copy ``exc`` kept from being confirmed (see ``publish``)."""
-        message, failure, reason = copy.delivery.message, copy.delivery.failure, copy.reason
+        message, failure, reason = copy.message, copy.failure, copy.reason
         if isinstance(exc, aiormq.exceptions.PublishError):  # returned: no queue bound
             await self.gate.pause(
                 PauseReason.DEPLOYMENT,
@@ -255,5 +252,5 @@ class CopyPublisher:
     ) -> None:
         """Let the work queue's dead-letter exchange park ``message`` as it is (``x-death``)."""
         self.telemetry.count(Count.REJECTED_TO_BROKER)
-        self.count_dead_letter(failure, reason)
+        self.streak.dead_lettered(failure.handler, reason)
         await self.settlements.reject(message)

@@ -11,9 +11,10 @@ would leave one delivery between the same steps.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -38,11 +39,26 @@ from worker.faults import FAILURES_PARKED, FAILURES_RECORDED, crash_point
 from worker.settings import Settings
 from worker.sql.parkings import ParkingRow
 from worker.telemetry import Telemetry
-from worker.transport.copies import CopyPublisher, FailedDelivery
+from worker.transport.copies import CopyPublisher
 from worker.transport.dead_letters import Failure
 from worker.transport.pause import PauseGate
+from worker.transport.streak import DeadLetterStreak
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailedDelivery:
+    """A delivery that failed, on its way to where the policy sends it (``envelope`` None when
+    it failed its checks)."""
+
+    message: AbstractIncomingMessage
+    envelope: Envelope | None
+    failure: Failure
+
+    def logged(self) -> contextlib.AbstractContextManager[None]:
+        """Tag the records logged inside with the delivery's identity."""
+        return logs.message_context(self.failure.delivery, self.envelope)
 
 
 def _records_key(delivery: FailedDelivery, park: Park) -> bool:
@@ -52,7 +68,8 @@ def _records_key(delivery: FailedDelivery, park: Park) -> bool:
 
 class Failures:
     """Routes the failed deliveries of one consumer (see the module docstring): its ``copies``
-    publish what they are turned into, its ``gate`` pauses it."""
+    publish what they are turned into, its ``gate`` pauses it, its ``streak`` counts each dead
+    letter."""
 
     def __init__(
         self,
@@ -61,6 +78,7 @@ class Failures:
         engine: AsyncEngine,
         copies: CopyPublisher,
         gate: PauseGate,
+        streak: DeadLetterStreak,
         telemetry: Telemetry,
     ) -> None:
         self.settings = settings
@@ -69,6 +87,7 @@ class Failures:
         self.engine = engine
         self.copies = copies
         self.gate = gate
+        self.streak = streak
         self.telemetry = telemetry
 
     async def delivery_failed(
@@ -80,10 +99,10 @@ class Failures:
     ) -> None:
         """Carry out the policy's decision for ``message``, which failed with ``exc`` after its
         in-process tries (``envelope`` is None when it failed its checks)."""
+        failed = self._failed_delivery(message, delivery, envelope, exc)
         facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
         if asks_database(facts):
             facts = replace(facts, database_answers=await self.gate.database_answers())
-        failed = self._failed_delivery(message, delivery, envelope, exc)
         decision = decide(exc, facts, self.policy)
         if isinstance(decision, Park):
             await self._park([self._to_park(failed, decision, exc)])
@@ -152,7 +171,8 @@ class Failures:
             )
 
     async def _retry_later(self, failed: FailedDelivery, queue: str, delay: float) -> None:
-        [copied] = await self.copies.publish([self.copies.retry_copy(failed, queue)])
+        copy = self.copies.retry_copy(failed.message, failed.envelope, failed.failure, queue)
+        [copied] = await self.copies.publish([copy])
         if not copied:
             return
         failure = failed.failure
@@ -186,7 +206,9 @@ class Failures:
             return
         copied = await self.copies.publish(
             [
-                self.copies.dlq_copy(failed, park.reason, record)
+                self.copies.dlq_copy(
+                    failed.message, failed.envelope, failed.failure, park.reason, record
+                )
                 for (failed, park), record in zip(to_park, records, strict=True)
             ]
         )
@@ -197,7 +219,7 @@ class Failures:
         await self._commit_failed_keys([f for f, park in parked if _records_key(f, park)])
         crash_point(FAILURES_RECORDED, len(parked))
         for failed, park in parked:
-            self.copies.count_dead_letter(failed.failure, park.reason)
+            self.streak.dead_lettered(failed.failure.handler, park.reason)
             with failed.logged():
                 log.warning(
                     "dead-lettered message %s (routing key %r): %s: %s",

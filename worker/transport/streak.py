@@ -1,8 +1,10 @@
-"""Dead letters in a row, and the throttle they set: after ``failure_throttle_after`` of them the
-consumer takes one message at a time, ``failure_throttle_delay`` apart, until one succeeds.
+"""Counting dead letters: each in the tally, and those in a row toward the throttle they set:
+after ``failure_throttle_after`` of them the consumer takes one message at a time,
+``failure_throttle_delay`` apart, until one succeeds.
 
-Invariant: only dead letters that are a sign of a broken handler count; one taken out of a batch
-whose other messages just committed (``beside_successes``) does not.
+Invariant: every dead letter is counted here once; only those that are a sign of a broken handler
+count toward the throttle (one taken out of a batch whose other messages just committed,
+``beside_successes``, does not).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from worker.core.outcomes import Outcome
+from worker.errors import Reason
 from worker.settings import Settings, format_duration
 from worker.telemetry import Telemetry
 
@@ -49,8 +53,10 @@ class DeadLetterStreak:
         finally:
             self._beside_successes -= 1
 
-    def dead_lettered(self) -> None:
-        """Count one more dead letter in a row; slow down when there are too many."""
+    def dead_lettered(self, handler: str | None, reason: Reason) -> None:
+        """Count one delivery of ``handler`` dead-lettered for ``reason`` (``Tally.record``), and
+        one more dead letter in a row; slow down when there are too many."""
+        self.telemetry.tally.record(handler, Outcome.DEAD_LETTERED, reason)
         if self._beside_successes:
             return
         self._in_a_row += 1
