@@ -9,6 +9,8 @@ commit, those that failed for good take their failure path together (``after_com
 others run alone. A batch that fails as a whole is redone one delivery per transaction. So only
 a failing delivery takes the failure path (``failures``; where it ends is ``core.policy``'s
 decision); while the consumer is paused (``pause``) or throttled (``streak``) it takes less.
+Nothing a message holds can raise past the checks: an unexpected error while opening it is a
+``CheckFailed``.
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ class Consumer:
         self._in_flight: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._one_at_a_time = asyncio.Lock()
-        self.subscription = Subscription(settings, router.routing_keys(), self._on_message)
+        self.subscription = Subscription(settings, router, self._on_message)
         self.gate = PauseGate(
             settings, router, engine, self.subscription, self.telemetry, self._stopping
         )

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
 
+from worker.core.router import Router
 from worker.settings import Settings
 from worker.transport.topology import Topology, declare_topology
 
@@ -23,12 +24,12 @@ OnMessage = Callable[[AbstractIncomingMessage], Awaitable[None]]
 
 class Subscription:
     """The channel the consumer takes deliveries on and publishes its copies on (confirms on,
-    returns raised), its ``topology``, and whether it consumes the work queue (``consume``,
-    ``cancel``)."""
+    returns raised), its ``topology`` (bound with ``router``'s routing keys), and whether it
+    consumes the work queue (``consume``, ``cancel``)."""
 
-    def __init__(self, settings: Settings, routing_keys: list[str], on_message: OnMessage) -> None:
+    def __init__(self, settings: Settings, router: Router, on_message: OnMessage) -> None:
         self.settings = settings
-        self.routing_keys = routing_keys
+        self.router = router
         self.on_message = on_message
         self.channel: AbstractChannel | None = None
         self.topology: Topology | None = None
@@ -54,7 +55,9 @@ class Subscription:
     async def declare(self) -> Topology:
         """Declare the topology (again) on the channel."""
         assert self.channel is not None
-        self.topology = await declare_topology(self.channel, self.settings, self.routing_keys)
+        self.topology = await declare_topology(
+            self.channel, self.settings, self.router.routing_keys()
+        )
         return self.topology
 
     async def consume(self) -> None:
