@@ -123,6 +123,7 @@ from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
 from worker.sql import outbox
 from worker.sql.rows import OutboxMessage
+from worker.telemetry import Count
 from worker.testing import scratch_database
 from worker.transport.topology import declare_topology
 
@@ -380,12 +381,12 @@ async def serving(
 
 def handled(stats: Counter[str]) -> int:
     """Deliveries that reached their end: processed or recognised as duplicates."""
-    return stats["processed"] + stats["duplicate"]
+    return stats[Count.PROCESSED] + stats[Count.DUPLICATE]
 
 
 def ended(stats: Counter[str]) -> int:
     """Deliveries that reached their end, dead letters (and repeats of them) included."""
-    return handled(stats) + stats["dead_lettered"] + stats["duplicate_of_failed"]
+    return handled(stats) + stats[Count.DEAD_LETTERED] + stats[Count.DUPLICATE_OF_FAILED]
 
 
 def unusual(stats: Counter[str], expected: Iterable[str] = ()) -> dict[str, int]:
@@ -726,7 +727,10 @@ async def worker_with_relay(bench: Bench) -> Timing:
             async def finished() -> bool:
                 # payments + notices processed (each key once), the repeats acked as duplicates,
                 # and every event in the capture queue
-                if stats["processed"] < 2 * bench.unique or stats["duplicate"] < bench.repeats:
+                if (
+                    stats[Count.PROCESSED] < 2 * bench.unique
+                    or stats[Count.DUPLICATE] < bench.repeats
+                ):
                     return False
                 return await queue_depth(passive) >= bench.unique
 
@@ -785,7 +789,7 @@ async def relay_alone(bench: Bench) -> Timing:
         async with serving("relay", functools.partial(runner.run_relay, settings)) as (task, stats):
 
             async def finished() -> bool:
-                return stats["relay_published"] >= len(bench.plan.sends)
+                return stats[Count.RELAY_PUBLISHED] >= len(bench.plan.sends)
 
             timing = await timed(finished, bench.options.timeout, task)
         delivered = await queue_depth(sink)

@@ -1,7 +1,7 @@
-"""The worker's exceptions, and the one place that decides whether a failure is transient.
+"""The worker's exceptions, and the one place that says whose fault a failure is (``classify``).
 
-Every exception's docstring is its default message. ``Rejected`` subclasses carry a machine-readable
-``reason`` and park the message in the dead-letter queue; nothing else does.
+Every exception's docstring is its default message; ``Rejected`` subclasses carry a
+machine-readable ``reason``. Where a failure sends its message is decided by ``core.policy``.
 """
 
 from __future__ import annotations
@@ -211,19 +211,18 @@ _CLOSED_BY_AIO_PIKA = re.compile(
 
 
 class Fault(enum.Enum):
-    """Whose fault a failure is, which decides where its message goes."""
+    """Whose fault a failure is (what ``core.policy.decide`` reads)."""
 
     TRANSIENT = "transient"
-    """A later attempt may not meet it (connection loss, timeout, deadlock): retry."""
+    """A later attempt may not meet it (connection loss, timeout, deadlock)."""
     DEPLOYMENT = "deployment"
-    """The deployment's, not the message's (a table, column, function or privilege missing):
-    pause consumption like an outage; nothing is parked and no key is marked failed."""
+    """The deployment's, not the message's (a table, column, function or privilege missing)."""
     PERMANENT = "permanent"
-    """The message's (bad input, a handler's error on it): park it."""
+    """The message's (bad input, a handler's error on it)."""
 
 
 class PauseReason(enum.Enum):
-    """Why consumption is paused: a fault that is not the message's, so nothing is parked."""
+    """Why consumption is paused (a fault that is not the message's, see ``core.policy``)."""
 
     DATABASE_UNREACHABLE = "database-unreachable"
     DEPLOYMENT = "deployment"

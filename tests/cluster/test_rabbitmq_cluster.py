@@ -44,6 +44,7 @@ from tests.helpers import (
 )
 from tests.integration.support import start_worker
 from worker.settings import Settings
+from worker.telemetry import Count
 from worker.transport.connection import connect
 
 pytestmark = pytest.mark.cluster
@@ -305,7 +306,7 @@ async def test_the_leader_node_stopped_mid_stream_then_restarted_loses_and_doubl
     dropped = sum(map(int, re.findall(r"could not ack (\d+) message", text)))
     assert dropped >= 1, "no batch committed after its connection died"
     assert stats.get("duplicate", 0) >= 1, "no redelivery was absorbed as a duplicate"
-    assert stats["processed"] == len(load.payments) * 2  # each payment, then its notice
+    assert stats[Count.PROCESSED] == len(load.payments) * 2  # each payment, then its notice
     figures = {
         "payments": len(load.payments),
         "leader_stopped": leader,

@@ -23,9 +23,10 @@ from worker import Batch, Context, Router
 from worker.core.config import UnitOfWorkConfig
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import process_batch
-from worker.errors import HandlerFailed, KeyReused
+from worker.errors import HandlerFailed, KeyReused, Reason
 from worker.faults import UNIT_OF_WORK_BEFORE_COMMIT
 from worker.settings import Settings
+from worker.telemetry import Count, dead_lettered_because
 from worker.transport.topology import declare_topology
 
 EXCHANGE = "events"
@@ -209,19 +210,24 @@ async def test_a_failing_message_in_a_batch_alone_takes_the_failure_path(
     async with running_worker(settings.replace(batch_size=16, relay=False), payments) as worker:
 
         async def drained() -> bool:
-            return sum(worker.stats[s] for s in ("processed", "duplicate", "dead_lettered")) >= 62
+            return (
+                sum(
+                    worker.stats[s] for s in (Count.PROCESSED, Count.DUPLICATE, Count.DEAD_LETTERED)
+                )
+                >= 62
+            )
 
         await wait_until(drained)
 
     # Then the 60 took effect once, only the bad one was parked, taken out of its batch while
     # the rest of that batch committed together, and batches were acked together
-    assert worker.stats["processed"] == 60
-    assert worker.stats["duplicate"] == 1
-    assert worker.stats["dead_lettered:handler-error"] == 1
-    assert worker.stats["isolated"] <= 1  # (0 only if the bad one came in a batch of its own)
-    assert worker.stats["batch_retried_alone"] == 0
-    assert worker.stats["batches"] >= 1
-    assert worker.stats["multiple_acks"] >= 1
+    assert worker.stats[Count.PROCESSED] == 60
+    assert worker.stats[Count.DUPLICATE] == 1
+    assert worker.stats[dead_lettered_because(Reason.HANDLER_ERROR)] == 1
+    assert worker.stats[Count.ISOLATED] <= 1  # (0 only if the bad one came in a batch of its own)
+    assert worker.stats[Count.BATCH_RETRIED_ALONE] == 0
+    assert worker.stats[Count.BATCHES] >= 1
+    assert worker.stats[Count.MULTIPLE_ACKS] >= 1
     assert await scalar(engine, "SELECT sum(balance_cents) FROM accounts") == 600
     failed = await rows(engine, "SELECT key, error FROM inbox WHERE status = 'failed'")
     assert [(r.key, r.error.split(":")[0]) for r in failed] == [("k-bad", "DuplicatePayment")]

@@ -26,6 +26,7 @@ from tests.integration.support import (
 )
 from worker import Context, Router
 from worker.settings import Settings
+from worker.telemetry import Count
 
 
 async def test_a_burst_with_duplicates_changes_each_balance_once(
@@ -218,7 +219,7 @@ async def test_acks_held_behind_a_delivery_in_flight_are_sent_when_the_worker_st
     release.set()
 
     # Then the five were acked on the way out: only the one rolled back is queued again
-    assert worker.stats["processed"] == 5
+    assert worker.stats[Count.PROCESSED] == 5
     assert await ready_messages(channel, settings.queue) == 1
     assert await unacked(settings.queue) == 0
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE handler = 'gate'") == 5

@@ -31,6 +31,7 @@ from worker.ops import dlq, janitor
 from worker.ops.cli import Exit
 from worker.settings import Settings
 from worker.sql import parkings
+from worker.telemetry import Count
 from worker.transport.dead_letters import PARKING_ID, Failure
 from worker.transport.topology import declare_topology
 
@@ -257,7 +258,7 @@ async def test_a_copy_back_from_the_retry_queues_is_parked_verified_and_replays_
             {"idempotency-key": "k-retried", PARKING_ID: "not-a-parking-id"},
         )
         await dlq_depth(settings, 1)
-        assert running.stats["retry_scheduled"] == 2
+        assert running.stats[Count.RETRY_SCHEDULED] == 2
 
     # Then the copy that came back from the retry queues is the worker's, with its record's
     # facts, and carries its own parking id, not the one it came with
@@ -556,7 +557,7 @@ async def test_no_copy_is_parked_without_its_record_first(
 
             # Then nothing is parked and the key is not failed: the delivery went back
             assert await broker_depth(settings.dead_letter_queue) == 0
-            assert running.stats["dead_lettered"] == 0
+            assert running.stats[Count.DEAD_LETTERED] == 0
             assert await inbox_row(engine, "k-unrecorded") == []
 
             # When the privilege is back, the worker parks it, its record first

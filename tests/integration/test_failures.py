@@ -44,6 +44,7 @@ from worker.ops import dlq
 from worker.settings import Settings
 from worker.sql.inbox import record_failures
 from worker.sql.rows import MAX_ATTEMPTS, KeyClaim
+from worker.telemetry import Count
 from worker.transport.dead_letters import copy_of
 
 ROUTING_KEY = "flaky.job"
@@ -130,8 +131,8 @@ async def test_a_transient_database_error_is_retried_in_process(
     # Then the third try, in the same delivery, applied the effect once
     assert [call["attempt"] for call in script.calls] == [1, 1, 1]
     assert await effects(engine) == 1
-    assert worker.stats["retry_scheduled"] == 0
-    assert worker.stats["dead_lettered"] == 0
+    assert worker.stats[Count.RETRY_SCHEDULED] == 0
+    assert worker.stats[Count.DEAD_LETTERED] == 0
     assert (await inbox(engine, "k-inline")).status == "completed"
 
 
@@ -151,7 +152,7 @@ async def test_a_handler_failing_twice_succeeds_through_the_delayed_retries(
     assert [call["headers"].get("x-worker-attempts") for call in script.calls] == [None, 1, 2]
     first_failure = script.calls[1]["headers"]["x-worker-first-failure-at"]
     assert script.calls[2]["headers"]["x-worker-first-failure-at"] == first_failure
-    assert worker.stats["retry_scheduled"] == 2
+    assert worker.stats[Count.RETRY_SCHEDULED] == 2
     assert await effects(engine) == 1
     assert await dead_letters(channel, settings) == []
     for delay in settings.retry_delays:
@@ -204,7 +205,7 @@ async def test_a_permanent_error_is_parked_at_once_and_its_key_recorded_as_faile
 
     # Then it was acked without running the handler again
     assert len(script.calls) == 1
-    assert worker.stats["retry_scheduled"] == 0
+    assert worker.stats[Count.RETRY_SCHEDULED] == 0
     assert await effects(engine) == 0  # the business write rolled back
     [parked] = await dead_letters(channel, settings)
     headers = parked.headers
@@ -309,8 +310,8 @@ async def test_the_worker_pauses_while_postgresql_is_unreachable_and_loses_nothi
                 return await broker_depth(settings.queue) == 20
 
             await wait_until(all_returned)
-            assert worker.stats["processed"] == 1
-            assert worker.stats["retry_scheduled"] == worker.stats["dead_lettered"] == 0
+            assert worker.stats[Count.PROCESSED] == 1
+            assert worker.stats[Count.RETRY_SCHEDULED] == worker.stats[Count.DEAD_LETTERED] == 0
 
             # When PostgreSQL is back, each payment is applied once
             await proxy.up()
@@ -319,7 +320,7 @@ async def test_the_worker_pauses_while_postgresql_is_unreachable_and_loses_nothi
 
     assert await scalar(engine, "SELECT balance_cents FROM accounts WHERE account='erin'") == 201
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status='completed'") == 21
-    assert worker.stats["dead_lettered"] == 0
+    assert worker.stats[Count.DEAD_LETTERED] == 0
     assert await dead_letters(channel, settings) == []
 
 
@@ -369,8 +370,8 @@ async def test_connections_terminated_mid_run_lose_nothing_and_apply_each_once(
         await blocker.close()
     # Then every message was applied once and nothing was parked
     assert await effects(engine) == 8
-    assert worker.stats["dead_lettered"] == 0
-    assert worker.stats["duplicate"] == 0
+    assert worker.stats[Count.DEAD_LETTERED] == 0
+    assert worker.stats[Count.DUPLICATE] == 0
     assert await dead_letters(channel, settings) == []
 
 

@@ -47,8 +47,9 @@ from examples.payments import router as payments
 from tests.helpers import rows, wait_until
 from tests.integration.support import RunningWorker, dead_letters, inbox, running_worker, settled
 from worker.core.envelope import Delivery, Envelope, open_envelope
-from worker.errors import Rejected
+from worker.errors import Reason, Rejected
 from worker.settings import Settings
+from worker.telemetry import Count, dead_lettered_because
 from worker.transport.dead_letters import Failure, encodable
 
 KEY_HEADER = "idempotency-key"
@@ -1107,10 +1108,10 @@ async def test_a_worker_parks_every_hostile_message_and_settles_every_good_one(
     reasons = Counter(refused.values())
     counted = {name: n for name, n in stats.items() if name.startswith("dead_lettered:")}
     assert counted == {f"dead_lettered:{reason}": n for reason, n in reasons.items()}
-    assert stats["dead_lettered"] == len(refused)
-    assert stats["processed"] == 2 * len(accepted)
-    assert stats["duplicate"] == duplicates
-    assert stats["retry_scheduled"] == stats["requeued"] == 0
+    assert stats[Count.DEAD_LETTERED] == len(refused)
+    assert stats[Count.PROCESSED] == 2 * len(accepted)
+    assert stats[Count.DUPLICATE] == duplicates
+    assert stats[Count.RETRY_SCHEDULED] == stats[Count.REQUEUED] == 0
     # and every accepted payment took effect exactly once
     expected = {
         sent.verdict.fields["payment_id"]: (
@@ -1314,10 +1315,15 @@ async def test_hostile_properties_headers_and_handler_errors_end_once(
     for message in parked:
         headers = sent_headers[message.headers["test-case"]]
         assert message.headers[ATTEMPTS_HEADER] == predict_failed_attempts(headers) + 1
-    assert stats["dead_lettered"] == len(refused) + len(conflicts)
-    assert stats["dead_lettered:handler-error"] == len(conflicts)
-    assert stats["retry_scheduled"] == stats["requeued"] == stats["rejected_to_broker"] == 0
-    assert stats["processed"] == 2 * len(accepted)
+    assert stats[Count.DEAD_LETTERED] == len(refused) + len(conflicts)
+    assert stats[dead_lettered_because(Reason.HANDLER_ERROR)] == len(conflicts)
+    assert (
+        stats[Count.RETRY_SCHEDULED]
+        == stats[Count.REQUEUED]
+        == stats[Count.REJECTED_TO_BROKER]
+        == 0
+    )
+    assert stats[Count.PROCESSED] == 2 * len(accepted)
     # the keys of the conflicts are recorded as failed, their attempts within the column
     for sent in conflicts:
         row = await inbox(engine, sent.case)
@@ -1392,6 +1398,6 @@ async def test_a_header_the_client_cannot_decode_does_not_block_the_queue(
             await exchange.publish(message, "payment.requested")
 
         async def the_last_one_processed() -> bool:
-            return worker.stats["processed"] >= 1
+            return worker.stats[Count.PROCESSED] >= 1
 
         await wait_until(the_last_one_processed, timeout=8)

@@ -36,6 +36,7 @@ from worker.database import create_engine
 from worker.errors import ConfigurationError
 from worker.ingress.problems import PROBLEM_JSON
 from worker.settings import Settings
+from worker.telemetry import Count
 
 ALICE = "alice:alice-token-0123456789"
 ALICE_NEXT = "alice:alice-next-token-98765"  # (a second token of the same client: a rotation)
@@ -167,7 +168,7 @@ async def test_an_http_key_equal_to_an_amqp_key_neither_parks_nor_reads_the_amqp
         await handled_all(engine, 4)
         http_result = await client.get(f"{REQUESTED}/order-1001")
         reused_result = await client.get(f"{REQUESTED}/amqp-2")
-        parked = worker.stats["dead_lettered"]
+        parked = worker.stats[Count.DEAD_LETTERED]
 
     # Then the AMQP messages were handled, not parked as a reused key
     assert posted.status_code == reusing.status_code == 202, (posted.text, reusing.text)
@@ -396,7 +397,7 @@ async def test_a_request_whose_event_was_parked_before_its_handler_ran_reads_as_
         async with running_worker(settings, stricter) as worker:
 
             async def parked() -> bool:
-                return worker.stats["dead_lettered"] >= 1
+                return worker.stats[Count.DEAD_LETTERED] >= 1
 
             await wait_until(parked, timeout=30)
         read = await client.get(f"{REQUESTED}/k-parked")

@@ -32,9 +32,10 @@ from worker.core.config import UnitOfWorkConfig
 from worker.core.contention import Contention
 from worker.core.outcomes import Outcome
 from worker.core.unit_of_work import MAX_SAVEPOINTS, Isolated, process_batch
-from worker.errors import HandlerFailed, MessageFailed
+from worker.errors import HandlerFailed, MessageFailed, Reason
 from worker.faults import FAILURES_PARKED, FAILURES_RECORDED, UNIT_OF_WORK_ISOLATING
 from worker.settings import Settings
+from worker.telemetry import Count, dead_lettered_because
 from worker.transport.topology import declare_topology
 
 UNIT = UnitOfWorkConfig(exchange="events")
@@ -442,15 +443,15 @@ async def test_culprits_parked_beside_their_batchs_successes_do_not_slow_the_wor
     async with running_worker(fast, payments) as worker:
 
         async def drained() -> bool:
-            return worker.stats["processed"] + worker.stats["dead_lettered"] >= 60
+            return worker.stats[Count.PROCESSED] + worker.stats[Count.DEAD_LETTERED] >= 60
 
         await wait_until(drained)
 
     # Then each culprit was parked once, and being taken out of batches whose others committed,
     # the culprits never counted as dead letters in a row
-    assert worker.stats["processed"] == 45
-    assert worker.stats["dead_lettered:handler-error"] == 15
-    assert worker.stats["throttled"] == 0
+    assert worker.stats[Count.PROCESSED] == 45
+    assert worker.stats[dead_lettered_because(Reason.HANDLER_ERROR)] == 15
+    assert worker.stats[Count.THROTTLED] == 0
     assert await broker_depth(settings.dead_letter_queue) == 15
 
 
@@ -480,14 +481,14 @@ async def test_a_culprit_that_failed_for_good_is_parked_without_running_again(
     async with running_worker(settings.replace(batch_size=40, relay=False), router) as worker:
 
         async def drained() -> bool:
-            return worker.stats["processed"] + worker.stats["dead_lettered"] >= 40
+            return worker.stats[Count.PROCESSED] + worker.stats[Count.DEAD_LETTERED] >= 40
 
         await wait_until(drained)
 
     # Then each odd one was parked once, its handler called once: taken out of its batch, it
     # took its failure path at once instead of failing again in a transaction of its own
-    assert worker.stats["processed"] == 20
-    assert worker.stats["dead_lettered:handler-error"] == 20
+    assert worker.stats[Count.PROCESSED] == 20
+    assert worker.stats[dead_lettered_because(Reason.HANDLER_ERROR)] == 20
     assert {n: calls[n] for n in range(1, 40, 2)} == dict.fromkeys(range(1, 40, 2), 1)
     assert await broker_depth(settings.dead_letter_queue) == 20
 
@@ -538,7 +539,8 @@ async def test_the_culprits_of_a_batch_are_parked_together_each_once(
 
         async def drained() -> bool:
             return sum(
-                worker.stats[s] for s in ("processed", "dead_lettered", "duplicate_of_failed")
+                worker.stats[s]
+                for s in (Count.PROCESSED, Count.DEAD_LETTERED, Count.DUPLICATE_OF_FAILED)
             ) >= len(sends)
 
         await wait_until(drained)
@@ -549,12 +551,12 @@ async def test_the_culprits_of_a_batch_are_parked_together_each_once(
     assert await parked_ids(amqp, settings) == sorted(
         [*((key, "handler-error") for key in CULPRITS), ("k5", "key-reused")]
     )
-    assert worker.stats["processed"] == 30
-    assert worker.stats["dead_lettered"] == 5
-    assert worker.stats["dead_lettered:handler-error"] == 4
-    assert worker.stats["dead_lettered:key-reused"] == 1
-    assert worker.stats["duplicate_of_failed"] == 1
-    assert worker.stats["requeued"] == 0
+    assert worker.stats[Count.PROCESSED] == 30
+    assert worker.stats[Count.DEAD_LETTERED] == 5
+    assert worker.stats[dead_lettered_because(Reason.HANDLER_ERROR)] == 4
+    assert worker.stats[dead_lettered_because(Reason.KEY_REUSED)] == 1
+    assert worker.stats[Count.DUPLICATE_OF_FAILED] == 1
+    assert worker.stats[Count.REQUEUED] == 0
     await assert_payments_applied_once(engine)
     assert await broker_depth(settings.queue) == 0
 

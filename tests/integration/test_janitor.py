@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import AsyncIterator
 
 import asyncpg
@@ -18,8 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until
 from worker.database import create_engine
 from worker.ops.janitor import Janitor, Sweep, sweep
+from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql import maintenance
+from worker.telemetry import Count
 
 EXPIRED = 8  # days; the default retention is 7
 HANG_GUARD = 10.0
@@ -151,15 +152,16 @@ async def test_janitor_sweeps_every_interval_until_stopped(
     engine: AsyncEngine, settings: Settings
 ) -> None:
     await insert_keys(engine, "first", 3, status="completed", age_days=EXPIRED)
-    stats: Counter[str] = Counter()
+    metrics = Metrics()
+    stats = metrics.stats
     stop = asyncio.Event()
     task = asyncio.create_task(
-        Janitor(settings.replace(janitor_interval=0.05), engine, stats).run(stop)
+        Janitor(settings.replace(janitor_interval=0.05), engine, metrics).run(stop)
     )
     try:
-        await wait_until(lambda: _at_least(stats["inbox_expired"], 3))
+        await wait_until(lambda: _at_least(stats[Count.INBOX_EXPIRED], 3))
         await insert_keys(engine, "second", 2, status="failed", age_days=EXPIRED)
-        await wait_until(lambda: _at_least(stats["inbox_expired"], 5))
+        await wait_until(lambda: _at_least(stats[Count.INBOX_EXPIRED], 5))
         assert await keys(engine) == []
     finally:
         stop.set()
@@ -182,7 +184,7 @@ async def test_janitor_survives_a_transient_failure(
             stop.set()
             await asyncio.wait_for(task, HANG_GUARD)
             await unreachable.dispose()
-    assert janitor.stats["inbox_expired"] == 0
+    assert janitor.metrics.stats[Count.INBOX_EXPIRED] == 0
 
 
 async def test_janitor_raises_a_permanent_error(settings: Settings, engine: AsyncEngine) -> None:

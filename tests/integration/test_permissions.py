@@ -40,6 +40,7 @@ from worker import Context, Permanent, Retryable, Router
 from worker.ops import dlq
 from worker.ops.permissions import DEFAULT_EXCHANGE, producer_permissions, worker_permissions
 from worker.settings import Settings
+from worker.telemetry import Count
 from worker.transport.connection import connect
 from worker.transport.topology import declare_topology, queue_names
 
@@ -295,11 +296,11 @@ async def test_the_worker_runs_its_failure_path_with_the_worker_users_rights(
                 )
 
         async def parked_and_published() -> bool:
-            return worker.stats["dead_lettered"] >= 1 and done == ["k-ok"]
+            return worker.stats[Count.DEAD_LETTERED] >= 1 and done == ["k-ok"]
 
         # Then both went through a delayed retry, one was parked, the other's event came back
         await wait_until(parked_and_published)
-        assert worker.stats["retry_scheduled"] == 2
+        assert worker.stats[Count.RETRY_SCHEDULED] == 2
 
         # and the DLQ can be replayed with the same rights
         connection = await aio_pika.connect_robust(settings.amqp_url)
@@ -308,11 +309,11 @@ async def test_the_worker_runs_its_failure_path_with_the_worker_users_rights(
         assert [parked.key for parked in replayed] == ["k-fail"]
 
         async def parked_again() -> bool:
-            return worker.stats["dead_lettered"] >= 2
+            return worker.stats[Count.DEAD_LETTERED] >= 2
 
         # (a replay starts afresh: a delayed retry, then the same permanent failure)
         await wait_until(parked_again)
-    assert worker.stats["retry_scheduled"] == 3
+    assert worker.stats[Count.RETRY_SCHEDULED] == 3
     assert await broker_depth_in(users, settings.dead_letter_queue) == 1
     assert await broker_depth_in(users, settings.queue) == 0
 

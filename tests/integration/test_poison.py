@@ -30,10 +30,11 @@ from examples.payments import router as payments
 from tests.helpers import broker_depth, payment, rows, scalar, wait_until
 from tests.integration.support import RunningWorker, dead_letters, publish, running_worker
 from worker import Context, Router, schema
-from worker.errors import ConfigurationError
+from worker.errors import ConfigurationError, Reason
 from worker.ops import runner
 from worker.settings import Settings
 from worker.sql.rows import MAX_ATTEMPTS
+from worker.telemetry import Count, dead_lettered_because
 from worker.testing import empty_database
 
 QUIET = 3.0
@@ -138,7 +139,7 @@ async def test_a_poison_message_is_parked_once_and_the_worker_keeps_going(
 
         # When it has handled all three
         async def settled() -> bool:
-            return worker.stats["dead_lettered"] >= 1 and worker.stats["processed"] >= 4
+            return worker.stats[Count.DEAD_LETTERED] >= 1 and worker.stats[Count.PROCESSED] >= 4
 
         await wait_until(settled)
         await wait_until(lambda: _empty(settings.queue))
@@ -246,7 +247,7 @@ async def test_a_missing_table_pauses_consumption_and_resumes_once_it_exists(
         health = await healthz(settings)
         assert health["status"] == "failing", health
         assert "audit_entries" in str(health.get("paused_because")), health
-        assert worker.stats["dead_lettered"] == 0
+        assert worker.stats[Count.DEAD_LETTERED] == 0
         assert await scalar(engine, "SELECT count(*) FROM inbox WHERE status = 'failed'") == 0
         assert await broker_depth(settings.dead_letter_queue) == 0
 
@@ -261,7 +262,7 @@ async def test_a_missing_table_pauses_consumption_and_resumes_once_it_exists(
             async with engine.begin() as conn:
                 await conn.execute(text("DROP TABLE audit_entries"))
     assert [r.key for r in keys] == [f"k-audit-{n}" for n in range(5)]
-    assert worker.stats["dead_lettered"] == 0
+    assert worker.stats[Count.DEAD_LETTERED] == 0
 
 
 def with_endpoint(settings: Settings) -> Settings:
@@ -337,7 +338,7 @@ async def test_consecutive_dead_letters_slow_the_worker_to_one_at_a_time(
         await wait_until(lambda: _at_least(worker, "dead_lettered", 8))
 
         # Then it slowed down once, says so, and each failed message is parked once
-        assert worker.stats["throttled"] == 1
+        assert worker.stats[Count.THROTTLED] == 1
         assert (await healthz(settings))["throttled"] is True
         assert await throttled_gauge(settings) == 1
 
@@ -412,8 +413,8 @@ async def test_a_copy_too_large_for_a_frame_is_dead_lettered_by_the_broker_once(
     # Then no copy was tried (none was lost with a connection the broker closed): the broker
     # dead-lettered the original, once, as it was
     assert not [r for r in caplog.records if "was lost" in r.getMessage()]
-    assert worker.stats["rejected_to_broker"] == 1
-    assert worker.stats["dead_lettered:invalid"] == 1
+    assert worker.stats[Count.REJECTED_TO_BROKER] == 1
+    assert worker.stats[dead_lettered_because(Reason.INVALID)] == 1
     assert len(parked) == 1
     assert "x-worker-reason" not in parked[0].headers
     assert parked[0].headers["padding"] == big["padding"]

@@ -27,6 +27,7 @@ from tests.integration.support import RunningWorker, declare, running_worker
 from worker import outbox
 from worker.errors import ConfigurationError
 from worker.settings import Settings
+from worker.telemetry import Count
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -58,7 +59,7 @@ async def applied_once(engine: AsyncEngine, worker: RunningWorker, payment_id: s
     duplicate), then check the ledger holds it once and the account was credited once."""
 
     async def both_taken() -> bool:
-        return worker.stats["duplicate"] >= 1 and worker.stats["processed"] >= 1
+        return worker.stats[Count.DUPLICATE] >= 1 and worker.stats[Count.PROCESSED] >= 1
 
     await wait_until(both_taken)
     ledger = await rows(

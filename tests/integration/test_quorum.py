@@ -30,6 +30,7 @@ from tests.integration.support import (
 from tests.integration.test_failures import Script, effects, job_effects, scripted_router
 from worker import Context, Router
 from worker.settings import Settings
+from worker.telemetry import Count
 from worker.transport.topology import declare_topology, work_queue_arguments
 
 __all__ = ["job_effects"]  # (the scripted handler's table, an autouse fixture)
@@ -79,7 +80,7 @@ async def test_retries_and_dead_letters_go_through_quorum_queues(
 
     # Then the first went round both delayed-retry queues and was applied once, the second was
     # parked, and every queue is a quorum queue (a classic declaration is refused)
-    assert worker.stats["retry_scheduled"] == 2
+    assert worker.stats[Count.RETRY_SCHEDULED] == 2
     assert await effects(engine) == 1
     [parked] = await dead_letters(channel, settings)
     assert parked.headers["x-worker-reason"] == "handler-error"
@@ -153,7 +154,7 @@ async def test_pauses_for_a_deployment_fault_never_count_toward_the_delivery_lim
         async with engine.begin() as conn:
             await conn.execute(text("DROP TABLE IF EXISTS quorum_audit"))
     assert [r.key for r in keys] == [f"k-{n}" for n in range(5)]
-    assert worker.stats["dead_lettered"] == 0
+    assert worker.stats[Count.DEAD_LETTERED] == 0
     assert await ready_messages(channel, settings.dead_letter_queue) == 0
 
 

@@ -37,6 +37,7 @@ from worker.faults import RELAY_AFTER_PUBLISH
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.rows import OutboxMessage
+from worker.telemetry import Count
 from worker.transport.relay import Relay
 
 
@@ -132,7 +133,7 @@ async def test_every_committed_event_arrives_persistent_with_its_ids(
         assert out.headers["tenant"] == "t1"
         assert out.body == m.body
         assert out.timestamp is not None
-    assert relay.stats["relay_published"] == len(sent)
+    assert relay.stats[Count.RELAY_PUBLISHED] == len(sent)
 
 
 async def test_two_relays_publish_each_row_once(
@@ -152,7 +153,7 @@ async def test_two_relays_publish_each_row_once(
 
     # Then every row was published exactly once between them
     assert capture.ids() == Counter(str(m.message_id) for m in sent)
-    assert first.stats["relay_published"] + second.stats["relay_published"] == len(sent)
+    assert first.stats[Count.RELAY_PUBLISHED] + second.stats[Count.RELAY_PUBLISHED] == len(sent)
 
 
 async def test_a_relay_skips_rows_another_relay_holds(
@@ -217,7 +218,7 @@ async def test_the_broker_down_then_up_loses_nothing(
         await wait_until(lambda: _is(outbox_count(engine), 0), timeout=60)
     await capture.wait_for(len(first) + len(later))
     assert set(capture.ids()) == {str(m.message_id) for m in first + later}
-    assert relay.stats["relay_published"] >= len(first) + len(later)
+    assert relay.stats[Count.RELAY_PUBLISHED] >= len(first) + len(later)
 
 
 async def test_a_failing_row_backs_off_then_is_parked_while_others_flow(
@@ -254,8 +255,8 @@ async def test_a_failing_row_backs_off_then_is_parked_while_others_flow(
     assert parked[unroutable.message_id].body == unroutable.body
     assert "does not exist" in parked[nowhere.message_id].last_error
     assert await outbox_count(engine) == 0
-    assert relay.stats["relay_parked"] == 2
-    assert relay.stats["relay_failed"] == 6
+    assert relay.stats[Count.RELAY_PARKED] == 2
+    assert relay.stats[Count.RELAY_FAILED] == 6
 
 
 async def test_each_failure_doubles_the_wait_before_the_next_try(engine: AsyncEngine) -> None:
@@ -530,7 +531,7 @@ async def test_a_settlement_event_published_twice_makes_one_notice(
             await exchange.publish(message, "payment.settled")
 
         async def both_handled() -> bool:
-            return worker.stats["processed"] + worker.stats["duplicate"] == 2
+            return worker.stats[Count.PROCESSED] + worker.stats[Count.DUPLICATE] == 2
 
         await wait_until(both_handled)
 
@@ -539,4 +540,4 @@ async def test_a_settlement_event_published_twice_makes_one_notice(
         engine, "SELECT payment_id, event_id, balance_cents FROM settlement_notices"
     )
     assert [tuple(n) for n in notices] == [("p1", event_id, 250)]
-    assert (worker.stats["processed"], worker.stats["duplicate"]) == (1, 1)
+    assert (worker.stats[Count.PROCESSED], worker.stats[Count.DUPLICATE]) == (1, 1)

@@ -13,6 +13,7 @@ from tests.helpers import scalar, wait_until
 from tests.integration.support import declare, running_relay
 from worker import outbox
 from worker.settings import Settings
+from worker.telemetry import Count
 
 EVENTS = 60
 
@@ -43,8 +44,8 @@ async def test_unroutable_events_are_summed_up_per_routing_key(
 
     # Then every failure was counted, and the log said so in two lines: the first failure at
     # once, and the sum of the others when the relay stopped (within the minute)
-    assert stats["relay_failed"] == 3 * EVENTS
-    assert stats["relay_parked"] == EVENTS
+    assert stats[Count.RELAY_FAILED] == 3 * EVENTS
+    assert stats[Count.RELAY_PARKED] == EVENTS
     warnings = [r.getMessage() for r in caplog.records if r.name == "worker.transport.relay"]
     assert len(warnings) == 2, warnings
     assert "'nobody.listens'" in warnings[0]

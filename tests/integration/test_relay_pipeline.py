@@ -26,6 +26,7 @@ from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import OutboxMessage
+from worker.telemetry import Count
 from worker.transport.relay import Relay
 
 KEYS = ("k0", "k1", "k2", "k3")
@@ -168,7 +169,7 @@ async def test_pipelined_batches_keep_each_keys_order_and_hold_it_behind_a_faile
 
     # Then every key's events arrived once each, in commit order, and batches did overlap
     assert arrivals(capture) == {k: list(range(50)) for k in KEYS}
-    assert relay.stats["relay_published"] == len(sent)
+    assert relay.telemetry.stats[Count.RELAY_PUBLISHED] == len(sent)
     assert relay.most_publishing >= 2
     await channel.exchange_delete(late_exchange)
     await channel.close()
@@ -191,7 +192,7 @@ async def test_stopping_lets_the_batches_in_flight_commit(
     async def caught_mid_batch() -> bool:
         # batches overlap, and one of them has published rows it has not committed yet
         arrived = len(await capture.drain())
-        return relay.publishing >= 2 and arrived > relay.stats["relay_published"]
+        return relay.publishing >= 2 and arrived > relay.telemetry.stats[Count.RELAY_PUBLISHED]
 
     await wait_until(caught_mid_batch, timeout=30, interval=0.01)
 
@@ -209,7 +210,7 @@ async def test_stopping_lets_the_batches_in_flight_commit(
     assert left
     assert published.isdisjoint(left)
     assert published | left == {str(m.message_id) for m in sent}
-    assert relay.stats["relay_published"] == len(published)
+    assert relay.telemetry.stats[Count.RELAY_PUBLISHED] == len(published)
     assert max(capture.ids().values()) == 1
     for key, seqs in arrivals(capture).items():
         assert seqs == list(range(len(seqs))), key
@@ -241,7 +242,7 @@ async def test_cancelled_after_the_grace_period_the_batches_in_flight_roll_back(
         await asyncio.wait_for(task, 10)
 
     # Then its batches were cancelled too, not waited for: they rolled back, every row is left
-    assert relay.stats["relay_published"] == 0
+    assert relay.telemetry.stats[Count.RELAY_PUBLISHED] == 0
     assert await outbox_count(engine) == len(sent)
 
 
@@ -298,7 +299,7 @@ async def test_an_outage_in_one_batch_loses_nothing_and_deletes_each_row_once(
     # each key's events first arrived in commit order
     assert outages == 1
     assert set(capture.ids()) == {str(m.message_id) for m in sent}
-    assert relay.stats["relay_published"] == len(sent)
+    assert relay.telemetry.stats[Count.RELAY_PUBLISHED] == len(sent)
     assert first_arrivals(capture) == {k: list(range(40)) for k in KEYS}
     if where == "delete":
         assert sum(capture.ids().values()) > len(sent)

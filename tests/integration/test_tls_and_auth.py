@@ -45,6 +45,7 @@ from worker.errors import (
     refusal,
 )
 from worker.settings import Settings
+from worker.telemetry import Count
 from worker.testing import scratch_database
 from worker.transport.connection import connect
 from worker.transport.dead_letters import ERROR
@@ -498,7 +499,7 @@ async def test_constraint_violations_record_no_sql_parameters(
             await publish(channel, settings, body, key=key, routing_key="secret.write")
 
         async def parked() -> bool:
-            return worker.stats["dead_lettered"] >= len(bodies)
+            return worker.stats[Count.DEAD_LETTERED] >= len(bodies)
 
         await wait_until(parked)
 

@@ -22,6 +22,7 @@ from worker.core.outcomes import Outcome
 from worker.errors import HandlerFailed
 from worker.ops import dlq
 from worker.settings import Settings
+from worker.telemetry import Count
 
 ROUTING_KEY = "trip.booked"
 STEPS = ("book_flight", "book_hotel", "send_itinerary")
@@ -139,7 +140,7 @@ async def test_a_transient_failure_in_a_step_resumes_through_a_delayed_retry(
         await publish(channel, settings, {}, key="trip-t", routing_key=ROUTING_KEY)
         await settled(worker, processed=1)
 
-    assert worker.stats["retry_scheduled"] == 1
+    assert worker.stats[Count.RETRY_SCHEDULED] == 1
     assert await calls_per_step_key(engine) == {
         "trip-t:book_flight": 1,
         "trip-t:book_hotel": 2,

@@ -4,9 +4,9 @@ record what they were sent (the consumer tests cover real channels)."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from dataclasses import dataclass, field
 
+from worker.telemetry import Count, Telemetry
 from worker.transport.acks import Settlements
 
 
@@ -133,8 +133,8 @@ async def test_acks_above_a_delivery_in_flight_wait_and_go_out_with_it_in_one_mu
     None
 ):
     # Given tags 1-6 received, 1-2 committed and acked
-    stats: Counter[str] = Counter()
-    channel, settlements = Channel(), Settlements(hold=10, stats=stats)
+    telemetry = Telemetry()
+    channel, settlements = Channel(), Settlements(hold=10, telemetry=telemetry)
     d = {m.delivery_tag: m for m in receiving(channel, settlements, 1, 2, 3, 4, 5, 6)}
     assert await settlements.ack([d[1], d[2]]) == 1  # type: ignore[list-item]
     # When 4 and 5 commit while 3 is still in flight, Then their acks wait
@@ -143,7 +143,7 @@ async def test_acks_above_a_delivery_in_flight_wait_and_go_out_with_it_in_one_mu
     # And when 3 commits, one multiple-ack settles 3-5; 6, in flight, is not covered
     assert await settlements.ack([d[3]]) == 1  # type: ignore[list-item]
     assert channel.sent == [("ack", 2, True), ("ack", 5, True)]
-    assert stats["multiple_acks"] == 2
+    assert telemetry.stats[Count.MULTIPLE_ACKS] == 2
 
 
 async def test_a_requeued_delivery_below_waiting_acks_lets_them_go() -> None:

@@ -115,3 +115,16 @@ def test_the_hot_path_depends_on_no_settings_metrics_or_operator_tools() -> None
         or name in {"worker.settings", "worker.transport"}
         or name.startswith("worker.transport")
     }
+
+
+def test_nothing_on_the_message_path_imports_the_operator_tools() -> None:
+    graph = import_graph()
+    below = [
+        name for name in graph if name.startswith(("worker.core", "worker.sql", "worker.transport"))
+    ]
+    assert {
+        (name, other)
+        for name in below
+        for other in graph[name]
+        if other == "worker.ops" or other.startswith("worker.ops.")
+    } == set()

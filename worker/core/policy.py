@@ -1,14 +1,22 @@
 """The failure policy: where a failed delivery goes, decided in one pure function, ``decide``.
+This is the one statement of the policy; every other module points here.
 
-Invariant: every failure path ends. A transient failure is tried again in process a bounded
-number of times, then later through a bounded chain of delayed-retry queues, then parked as
-``retries-exhausted``; any other failure of the message's is parked with its reason at once; a
-fault that is not the message's (PostgreSQL not answering, the deployment's: a table, column or
-privilege missing) parks nothing and marks no key failed: consumption pauses and the delivery
-returns to the queue. Whose fault a failure is, ``errors.classify`` alone says.
+Invariant: every failure path ends. In order:
 
-Nothing here does I/O. The consumer (``transport.failures``), the in-process retries
-(``backoff.in_process``) and the test ``Harness`` ask ``decide`` and only carry out its answer.
+- PostgreSQL not answering after the failure (whatever the error looked like) pauses
+  consumption; the delivery returns to the queue; nothing is parked, no key marked failed.
+- The deployment's fault (a table, column, function or privilege missing) does the same.
+- A transient failure is tried again in process ``transient_attempts`` times, then sent through
+  each delayed-retry queue in turn, then parked as ``retries-exhausted``.
+- Any other failure is the message's: parked at once with its ``Rejected`` reason, or as
+  ``internal-error``.
+- A parked delivery that passed its checks has its key recorded as failed (a later duplicate is
+  acked without running), unless its key was reused with another payload (the key belongs to
+  the first payload).
+
+Whose fault a failure is, ``errors.classify`` alone says. Nothing here does I/O. The consumer
+(``transport.failures``), the in-process retries (``backoff.in_process``) and the test
+``Harness`` ask ``decide`` and only carry out its answer.
 """
 
 from __future__ import annotations
@@ -159,15 +167,7 @@ def in_process_delay(tries: int) -> float:
 
 
 def decide(exc: BaseException, facts: FailureFacts, settings: PolicySettings) -> Decision:
-    """Where the delivery that failed with ``exc`` goes: the failure policy, in one place.
-
-    In order: PostgreSQL not answering pauses (whatever the error looked like); the deployment's
-    fault pauses; a transient failure is tried again in process while tries remain, then sent
-    to the next delayed-retry queue, then parked as ``retries-exhausted``; anything else is
-    parked with the ``Rejected`` reason, or as ``internal-error``. A parked delivery that passed
-    its checks has its key recorded as failed, unless its key was reused with another payload
-    (the key belongs to the first payload).
-    """
+    """Where the delivery that failed with ``exc`` goes, as the module docstring states."""
     if facts.database_answers is False:
         return Pause(PauseReason.DATABASE_UNREACHABLE)
     fault = classify(exc)

@@ -139,7 +139,7 @@ async def process_batch(
 
 
 @dataclass(frozen=True)
-class _Failed:
+class _FailedGroup:
     """A handler call of a group failed: ``indices`` are the culprits' places in the group where
     they are known (empty: find them), ``error`` what a culprit run alone fails with."""
 
@@ -177,7 +177,7 @@ class _Isolation:
             if self.enabled:
                 await self._savepoint()
             outcome = await _call(self.conn, self.driver, handler, members)
-            if not isinstance(outcome, _Failed):
+            if not isinstance(outcome, _FailedGroup):
                 return outcome  # (its savepoint is released at commit: no round trip for it)
             if is_contention(outcome.error):
                 self.contention.deadlocked(handler.name)
@@ -222,7 +222,7 @@ class _Isolation:
 
 async def _call(
     conn: AsyncConnection, driver: Any, handler: Handler, members: Sequence[Context]
-) -> dict[int, Any] | _Failed:
+) -> dict[int, Any] | _FailedGroup:
     """Run ``handler`` for ``members`` and flush what they wrote: each one's result by
     ``id(ctx)``, or how it failed, naming the culprit where that is known."""
     if handler.kind is not HandlerKind.BATCH:
@@ -232,7 +232,7 @@ async def _call(
                 results[id(ctx)] = await handler.func(ctx.envelope.payload, ctx)
                 await ctx.flush()
             except Exception as exc:
-                return _Failed((index,), exc)
+                return _FailedGroup((index,), exc)
         return results
     batch = Batch(conn, members, asyncpg=driver)
     try:
@@ -243,9 +243,9 @@ async def _call(
     except MessageFailed as exc:
         named = tuple(i for i in exc.indices if 0 <= i < len(members))
         cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-        return _Failed(named if len(named) == len(exc.indices) else (), cause)
+        return _FailedGroup(named if len(named) == len(exc.indices) else (), cause)
     except Exception as exc:
-        return _Failed((), exc)
+        return _FailedGroup((), exc)
     finally:
         await batch.close()
     if returned is None:

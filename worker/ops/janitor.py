@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -113,19 +112,18 @@ async def _unlock(conn: AsyncConnection) -> None:
 class Janitor:
     """Sweeps expired inbox keys every ``janitor_interval`` until stopped.
 
-    ``stats`` counts ``inbox_expired``, the keys it deleted.
+    ``metrics`` counts ``Count.INBOX_EXPIRED``, the keys it deleted, and
+    ``Count.INGRESS_REQUESTS_EXPIRED``.
     """
 
     def __init__(
         self,
         settings: Settings,
         engine: AsyncEngine,
-        stats: Counter[str] | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.stats: Counter[str] = Counter() if stats is None else stats
         self.metrics = Metrics() if metrics is None else metrics
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -158,10 +156,7 @@ class Janitor:
         if result is None:
             log.debug("another instance is sweeping the inbox")
         elif result.deleted or result.requests:
-            self.stats["inbox_expired"] += result.deleted
-            self.metrics.expired(result.deleted)
-            if result.requests:
-                self.stats["ingress_requests_expired"] += result.requests
+            self.metrics.expired(result.deleted, result.requests)
             log.info(
                 "deleted %d expired inbox keys and %d ingress requests in %d batches",
                 result.deleted,

@@ -92,7 +92,7 @@ async def _open_engine(
 
 
 async def _open_relay(
-    stack: contextlib.AsyncExitStack, settings: Settings, stats: Counter[str], metrics: Metrics
+    stack: contextlib.AsyncExitStack, settings: Settings, metrics: Metrics
 ) -> Relay:
     """A relay on a database pool and a broker connection of its own.
 
@@ -101,7 +101,7 @@ async def _open_relay(
     engine = await _open_engine(stack, settings, None, application_name="worker-relay", pool_size=2)
     connection = await connect_broker(settings, name="worker-relay")
     stack.push_async_callback(connection.close)
-    relay = Relay(settings, engine, connection, stats, metrics)
+    relay = Relay(settings, engine, connection, metrics)
     await relay.start()
     return relay
 
@@ -181,7 +181,7 @@ async def run(
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         engine = await _open_engine(stack, settings, router)
         metrics = Metrics(stats)
-        relay = await _open_relay(stack, settings, stats, metrics) if settings.relay else None
+        relay = await _open_relay(stack, settings, metrics) if settings.relay else None
         connection = await connect_broker(settings)
         stack.push_async_callback(connection.close)
         consumer = Consumer(
@@ -189,9 +189,8 @@ async def run(
             router,
             engine,
             connection,
-            stats,
+            metrics,
             on_events=relay.wake if relay else None,
-            metrics=metrics,
         )
         # (the health endpoint listens first: a port another process holds stops the worker
         # before it takes a delivery)
@@ -210,7 +209,7 @@ async def run(
         if relay is not None:
             components["relay"] = relay
         if settings.janitor:
-            components["janitor"] = Janitor(settings, engine, stats, metrics)
+            components["janitor"] = Janitor(settings, engine, metrics)
         components["monitor"] = monitor
 
         async def drain() -> None:
@@ -234,7 +233,7 @@ async def run_relay(
     stats = Counter() if stats is None else stats
     async with _reporting(settings, stats), contextlib.AsyncExitStack() as stack:
         metrics = Metrics(stats)
-        relay = await _open_relay(stack, settings, stats, metrics)
+        relay = await _open_relay(stack, settings, metrics)
         monitor = await _open_monitor(stack, settings, relay.connection, metrics)
         await _supervise(settings, stop, {"relay": relay, "monitor": monitor}, started)
     return stats

@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aio_pika.abc import AbstractIncomingMessage
+
+from worker.telemetry import Count, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +86,15 @@ class Settlements:
 
     ``hold``: the most committed deliveries of a channel whose acks may wait for a multiple-ack
     (0: none wait); holding needs every delivery reported with ``received``. Each multiple-ack
-    sent is counted in ``stats["multiple_acks"]``.
+    sent is counted in ``telemetry`` (``Count.MULTIPLE_ACKS``).
     """
 
-    def __init__(self, hold: int = 0, stats: Counter[str] | None = None) -> None:
+    def __init__(self, hold: int = 0, telemetry: Telemetry | None = None) -> None:
         # per AMQP channel (a reconnect opens a new one)
         self._channels: weakref.WeakKeyDictionary[Any, _Channel] = weakref.WeakKeyDictionary()
         self._issuing = asyncio.Lock()
         self._hold = hold
-        self._stats: Counter[str] = Counter() if stats is None else stats
+        self._telemetry = Telemetry() if telemetry is None else telemetry
 
     def received(self, message: AbstractIncomingMessage) -> None:
         """Note that the consumer received ``message`` (and will settle it)."""
@@ -170,7 +171,7 @@ class Settlements:
                 del state.held[tag]
             await _issue(last.ack(multiple=True) if len(run) > 1 else last.ack())
             sent = int(len(run) > 1)
-            self._stats["multiple_acks"] += sent
+            self._telemetry.count(Count.MULTIPLE_ACKS, sent)
         if state.held and not state.may_wait():
             await self._ack_alone(state, len(state.held))
         elif len(state.held) > self._hold:  # the highest: the run will go on through them

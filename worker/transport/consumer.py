@@ -7,23 +7,10 @@ them after its commit, with one multiple-ack where that is safe (``acks``). A de
 handler fails in a batch is taken out of it and the others commit (``unit_of_work``); after the
 commit, those that failed for good take their failure path together (``after_commit``), and the
 others run alone. A batch that fails as a whole is redone one delivery per transaction. So only
-a failing delivery takes the failure path, and it ends where the failure policy says
-(``core.policy.decide``), carried out by ``failures.Failures``:
-
-- transient (``errors.classify``): retried in-process ``transient_attempts`` times with
-  backoff; then sent to the next delayed-retry queue with its attempt count; after the last one,
-  parked in the dead-letter queue as ``retries-exhausted``;
-- permanent (a ``Rejected`` check, a handler error): parked in the dead-letter queue; when it has
-  a key, the key is recorded as failed so a later duplicate is acked without running again;
-- PostgreSQL unreachable (whatever the error looked like): nothing is parked or retried. The
-  delivery returns to the queue and consumption pauses until the database answers again;
-- the deployment's fault (``errors.Fault.DEPLOYMENT``: a table, column, function or privilege
-  missing): likewise nothing is parked and no key is marked failed; consumption pauses and tries
-  again after a growing wait (sooner once the migrations are at head).
-
-Nothing a message holds can raise past the checks: an unexpected error while opening it parks
-it as ``check-failed``. After ``failure_throttle_after`` dead letters in a row, the consumer
-takes one message at a time, ``failure_throttle_delay`` apart, until one succeeds.
+a failing delivery takes the failure path (``failures``; where it ends is ``core.policy``'s
+decision); while the consumer is paused (``pause``) or throttled (``streak``) it takes less.
+Nothing a message holds can raise past the checks: an unexpected error while opening it is a
+``CheckFailed``.
 """
 
 from __future__ import annotations
@@ -31,17 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
-from aio_pika.abc import (
-    AbstractChannel,
-    AbstractIncomingMessage,
-    AbstractRobustConnection,
-)
+from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from worker import backoff, database, logs, schema, tracing
+from worker import backoff, logs, tracing
 from worker.backoff import first
 from worker.core import unit_of_work
 from worker.core.batches import after_commit, grouped
@@ -65,17 +47,17 @@ from worker.faults import (
     CONSUMER_DRAINING,
     crash_point,
 )
-from worker.ops.metrics import Metrics
 from worker.settings import Settings
+from worker.telemetry import Count, Telemetry
 from worker.transport.acks import Settlements, channel_closed
+from worker.transport.copies import CopyPublisher
 from worker.transport.failures import Failures
-from worker.transport.topology import Topology, declare_topology
+from worker.transport.pause import PauseGate
+from worker.transport.streak import DeadLetterStreak
+from worker.transport.subscription import Subscription
+from worker.transport.topology import Topology
 
 log = logging.getLogger(__name__)
-
-DEPLOYMENT_RETRY_MAX = 60.0
-"""Longest wait, in seconds, before a consumer paused by a deployment fault tries again; the wait
-doubles from 1 s with each such pause until a message succeeds."""
 
 
 def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
@@ -104,19 +86,8 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
 
 
 class Consumer:
-    """Consumes the work queue on one channel, ``concurrency`` transactions at a time.
-
-    ``stats`` (``metrics.tally.stats``: given both, ``metrics`` must be ``Metrics(stats)``) counts
-    outcomes, each once (``Tally.record``): ``processed``, ``duplicate``, ``duplicate_of_failed``,
-    ``retry_scheduled``, ``dead_lettered``, ``dead_lettered:<reason>``, ``requeued``,
-    ``rejected_to_broker`` (a DLQ copy that could not be published, dead-lettered by the broker
-    instead), ``paused`` (times consumption paused for a database outage or a deployment fault) and
-    ``throttled`` (times it slowed down after consecutive dead letters); and for batches:
-    ``batches`` (transactions of several deliveries), ``multiple_acks``, ``isolated`` (deliveries
-    whose handler failed in a batch, taken out of it to run on their own while the rest committed)
-    and ``batch_retried_alone`` (batches that failed as a whole and were redone one message per
-    transaction).
-    """
+    """Consumes the work queue on one channel, ``concurrency`` transactions at a time, counting
+    in ``telemetry`` (how each delivery ended, once, and the ``Count`` of its batches)."""
 
     def __init__(
         self,
@@ -124,14 +95,11 @@ class Consumer:
         router: Router,
         engine: AsyncEngine,
         connection: AbstractRobustConnection,
-        stats: Counter[str] | None = None,
+        telemetry: Telemetry | None = None,
         on_events: Callable[[], None] | None = None,
-        metrics: Metrics | None = None,
     ) -> None:
         self.settings = settings
-        self.metrics = Metrics(stats) if metrics is None else metrics
-        if stats is not None and stats is not self.metrics.tally.stats:
-            raise ValueError("count into one place: pass Metrics(stats), or stats alone")
+        self.telemetry = Telemetry() if telemetry is None else telemetry
         self.unit_of_work = UnitOfWorkConfig(
             exchange=settings.exchange,
             notify=settings.outbox_notify,
@@ -142,74 +110,59 @@ class Consumer:
         self.router = router
         self.engine = engine
         self.connection = connection
-        self.stats: Counter[str] = self.metrics.tally.stats
-        self.settlements = Settlements(hold=self.ack_hold, stats=self.stats)
+        self.settlements = Settlements(hold=self.ack_hold, telemetry=self.telemetry)
         self._pending: list[AbstractIncomingMessage] = []
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._channel: AbstractChannel | None = None
-        self._topology: Topology | None = None
-        self._consumer_tag: str | None = None
         self._stopping = asyncio.Event()
-        self._resuming: asyncio.Task[None] | None = None
-        self._pause_reason: PauseReason | None = None
-        self._pause_detail = ""
-        self._deployment_pauses = 0
-        self._pausing = asyncio.Lock()
         self._one_at_a_time = asyncio.Lock()
+        self.subscription = Subscription(settings, router, self._on_message)
+        self.gate = PauseGate(
+            settings, router, engine, self.subscription, self.telemetry, self._stopping
+        )
+        self.streak = DeadLetterStreak(settings, self.telemetry)
+        self.copies = CopyPublisher(
+            settings, self.subscription, self.settlements, self.telemetry, self.streak, self.gate
+        )
         self.failures = Failures(
-            settings,
-            router,
-            engine,
-            self.settlements,
-            self.metrics,
-            channel=lambda: self._channel,
-            topology=lambda: self._topology,
-            pause=self._pause,
+            settings, router, engine, self.copies, self.gate, self.streak, self.telemetry
         )
         self._failure: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     @property
     def consuming(self) -> bool:
         """True while a consumer is attached to the work queue on an open channel."""
-        channel = self._channel
-        return self._consumer_tag is not None and channel is not None and not channel.is_closed
+        return self.subscription.consuming
 
     @property
     def paused(self) -> bool:
         """True while consumption waits for PostgreSQL to answer again, or for a deployment
         fault to be fixed."""
-        return self._resuming is not None
+        return self.gate.paused
 
     @property
     def throttled(self) -> bool:
         """True while dead letters in a row hold the consumer to one message at a time."""
-        return self.failures.throttled
+        return self.streak.throttled
 
     def condition(self) -> dict[str, object]:
         """What ``/healthz`` shows of the consumer beyond ``consuming``: why it is paused, if it
         is, and whether it is throttled."""
         state: dict[str, object] = {"throttled": self.throttled}
-        if self._pause_reason is not None:
-            state["paused"] = self._pause_reason.value
-            state["paused_because"] = self._pause_detail
+        if self.gate.reason is not None:
+            state["paused"] = self.gate.reason.value
+            state["paused_because"] = self.gate.detail
         return state
 
     async def start(self) -> Topology:
         """Declare the topology and start consuming."""
-        self._channel = await self.connection.channel(
-            publisher_confirms=True, on_return_raises=True
-        )
-        await self._channel.set_qos(prefetch_count=self.settings.prefetch)
-        self._topology = await declare_topology(
-            self._channel, self.settings, self.router.routing_keys()
-        )
+        topology = await self.subscription.open(self.connection)
         for _ in range(self.settings.concurrency):
             taker = asyncio.create_task(self._take())
             taker.add_done_callback(self._taker_ended)
             self._takers.append(taker)
-        await self._consume()
+        await self.subscription.consume()
         log.info(
             "consuming queue %r (routing keys: %s; prefetch %d, concurrency %d, batch size %d)",
             self.settings.queue,
@@ -218,7 +171,7 @@ class Consumer:
             self.settings.concurrency,
             self.batch_size,
         )
-        return self._topology
+        return topology
 
     @property
     def ack_hold(self) -> int:
@@ -241,9 +194,8 @@ class Consumer:
         """
         self._stopping.set()
         self._arrived.set()  # takers see the stop and take nothing more
-        if self._resuming is not None:
-            await asyncio.gather(self._resuming, return_exceptions=True)
-        await self._cancel()
+        await self.gate.resumed()
+        await self.subscription.cancel()
         crash_point(CONSUMER_DRAINING)
         if self._in_flight:
             _, late = await asyncio.wait(set(self._in_flight), timeout=grace)
@@ -260,25 +212,12 @@ class Consumer:
             taker.cancel()
         await asyncio.gather(*self._takers, return_exceptions=True)
         await self.settlements.flush()  # what they wait for was never taken: it will not settle
-        if self._channel is not None and not self._channel.is_closed:
-            await self._channel.close()  # deliveries never taken go back to the queue
+        await self.subscription.close()  # deliveries never taken go back to the queue
 
     async def run(self, stop: asyncio.Event) -> None:
         """Return when ``stop`` is set; raise if consuming failed for good meanwhile (a pause
         that could not resume), so that the process does not run half-alive."""
-        await first(stop.wait(), self._failure)
-
-    async def _consume(self) -> None:
-        assert self._topology is not None
-        self._consumer_tag = await self._topology.queue.consume(self._on_message)
-
-    async def _cancel(self) -> None:
-        if self._topology is not None and self._consumer_tag is not None:
-            tag, self._consumer_tag = self._consumer_tag, None
-            try:
-                await self._topology.queue.cancel(tag)
-            except Exception:  # a dead channel consumes nothing anyway
-                log.debug("cancelling the consumer failed", exc_info=True)
+        await first(stop.wait(), self._failure, self.gate.broken)
 
     async def _on_message(self, message: AbstractIncomingMessage) -> None:
         self.settlements.received(message)
@@ -351,7 +290,7 @@ class Consumer:
             )
             messages = live
         if self.paused:
-            await self.failures.requeue_all([(m, self._handler_name(m)) for m in messages])
+            await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
         opened: list[tuple[AbstractIncomingMessage, Envelope]] = []
         rejected: list[tuple[AbstractIncomingMessage, Delivery, Rejected]] = []
@@ -373,7 +312,7 @@ class Consumer:
             await self._process_together(split.together)
         for message, delivery, rejection in rejected:
             with logs.message_context(delivery):
-                await self.failures.failed(message, delivery, None, rejection)
+                await self.failures.delivery_failed(message, delivery, None, rejection)
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
@@ -393,7 +332,7 @@ class Consumer:
                         "worker.handler": ",".join(sorted(handlers)),
                     },
                 ),
-                self.metrics.transaction(handlers.pop() if len(handlers) == 1 else None),
+                self.telemetry.transaction(handlers.pop() if len(handlers) == 1 else None),
             ):
                 ends = await unit_of_work.process_batch(self.engine, envelopes, self.unit_of_work)
         except Exception as exc:
@@ -402,16 +341,16 @@ class Consumer:
                 len(together),
                 exc,
             )
-            self.stats["batch_retried_alone"] += 1
+            self.telemetry.count(Count.BATCH_RETRIED_ALONE)
             for message, envelope in together:
                 await self._process_alone(message, envelope)
             return
         crash_point(CONSUMER_AFTER_COMMIT, len(together))
-        self.metrics.batch(len(together))
+        self.telemetry.batch(len(together))
         after = after_commit(together, ends)
         for _, envelope, outcome in after.committed:
             self._count(envelope, outcome)
-        self.stats["batches"] += 1
+        self.telemetry.count(Count.BATCHES)
         await self.settlements.ack([message for message, _, _ in after.committed])
         if after.isolated:
             log.info(
@@ -419,10 +358,10 @@ class Consumer:
                 after.isolated,
                 len(together),
             )
-            self.stats["isolated"] += after.isolated
+            self.telemetry.count(Count.ISOLATED, after.isolated)
         # beside the batch's successes, a delivery parked is no sign of a broken handler (no
         # slowing down for dead letters in a row)
-        with self.failures.beside_successes() if after.committed else contextlib.nullcontext():
+        with self.streak.beside_successes() if after.committed else contextlib.nullcontext():
             await self.failures.failed_in_committed_batch(after.failed)
             for message, envelope in after.alone:
                 await self._process_alone(message, envelope)
@@ -434,7 +373,7 @@ class Consumer:
 
     def _count(self, envelope: Envelope, outcome: Outcome) -> None:
         self._succeeded()
-        self.metrics.tally.record(envelope.handler.name, outcome)
+        self.telemetry.tally.record(envelope.handler.name, outcome)
         log.debug(
             "%s key=%s handler=%s message_id=%s",
             outcome.value,
@@ -455,7 +394,7 @@ class Consumer:
         """One checked delivery in a unit of work of its own (a workflow's run, or one
         transaction), retried in process while it fails transiently."""
         if self.paused:  # (after a failed batch, the database may be what failed)
-            await self.failures.requeue(message, envelope.handler.name)
+            await self.copies.requeue(message, envelope.handler.name)
             return
         delivery = envelope.delivery
         with logs.message_context(delivery, envelope):
@@ -475,117 +414,30 @@ class Consumer:
                         },
                         parent_headers=delivery.headers,
                     ) as span,
-                    self.metrics.transaction(envelope.handler.name),
+                    self.telemetry.transaction(envelope.handler.name),
                 ):
                     outcome: Outcome = await backoff.in_process(
                         self.settings.transient_attempts, log
                     )(unit_of_work.apply, self.engine, envelope, self.unit_of_work)
                     tracing.set_attribute(span, "worker.outcome", outcome.value)
             except Exception as exc:
-                await self.failures.failed(message, delivery, envelope, exc)
+                await self.failures.delivery_failed(message, delivery, envelope, exc)
                 return
             crash_point(CONSUMER_AFTER_COMMIT)
-            self.metrics.batch(1)
+            self.telemetry.batch(1)
             self._count(envelope, outcome)
             await self.settlements.ack_one(message)
 
     def _succeeded(self) -> None:
         """A message ended well: dead letters are no longer in a row, nor deployment pauses."""
-        self.failures.succeeded()
-        self._deployment_pauses = 0
+        self.streak.succeeded()
+        self.gate.succeeded()
 
     def database_unreachable(self, detail: str) -> None:
         """Pause as a unit of work that found PostgreSQL unreachable would (the health monitor's
         probe found it so, ``detail`` says how), without waiting for one: an idle worker shows
         it too, and no delivery is taken only to be returned."""
-        if self._resuming is None and not self._stopping.is_set():
-            task = asyncio.create_task(self._pause(PauseReason.DATABASE_UNREACHABLE, detail))
+        if not self.gate.paused and not self._stopping.is_set():
+            task = asyncio.create_task(self.gate.pause(PauseReason.DATABASE_UNREACHABLE, detail))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
-
-    async def _pause(self, reason: PauseReason, detail: str) -> None:
-        """Stop consuming until the fault is gone; return once the broker confirmed it.
-
-        Deliveries are returned to the queue only after that, so none comes back to this
-        consumer while it is paused (aiormq silently drops a delivery for a cancelled consumer,
-        which would leave it unacknowledged until the channel closes).
-        """
-        async with self._pausing:
-            if self._resuming is not None or self._stopping.is_set():
-                return
-            await self._cancel()
-            self.stats["paused"] += 1
-            self._pause_reason, self._pause_detail = reason, detail
-            self.metrics.paused(reason)
-            if reason is PauseReason.DEPLOYMENT:
-                self._deployment_pauses += 1
-                wait = min(DEPLOYMENT_RETRY_MAX, 2 ** (self._deployment_pauses - 1))
-                log.error(
-                    "the deployment does not match the code (%s): consumption paused, nothing "
-                    "parked; trying again in %gs, or once migrations are at head. Apply the "
-                    "migrations (`worker migrate`) or grant the privileges.",
-                    detail,
-                    wait,
-                )
-                self._resuming = asyncio.create_task(self._resume_after_deployment_fault(wait))
-            else:
-                log.error("%s: consumption paused until it answers again", detail)
-                self._resuming = asyncio.create_task(self._resume_when_database_answers())
-
-    async def _resume_after_deployment_fault(self, wait: float) -> None:
-        """Resume after ``wait`` seconds, or sooner once migrations that were pending are
-        applied (a missing privilege shows only by trying: the next message tries), declaring
-        the topology again first (a deleted queue comes back)."""
-
-        async def fixed() -> None:
-            if not await self._schema_behind():
-                await asyncio.sleep(wait)
-                return
-            behind = True
-            async with asyncio.timeout(wait):
-                while behind:
-                    await asyncio.sleep(min(wait, 1.0))
-                    behind = await self._schema_behind()
-
-        await self._resume(fixed, "trying the deployment again", redeclare=True)
-
-    async def _schema_behind(self) -> bool:
-        try:
-            return bool(await schema.pending(self.engine, self.settings, self.router))
-        except Exception:  # an unreadable schema is no reason to wait less or more
-            log.debug("could not read the migration state", exc_info=True)
-            return False
-
-    async def _resume_when_database_answers(self) -> None:
-        async def answers() -> None:
-            await backoff.until_stopped(self._stopping, initial=0.5, maximum=5.0, logger=log)(
-                database.probe, self.engine
-            )
-
-        await self._resume(answers, "PostgreSQL answers again")
-
-    async def _resume(
-        self, fixed: Callable[[], Awaitable[None]], why: str, *, redeclare: bool = False
-    ) -> None:
-        """Wait until ``fixed`` returns (or the worker stops), then consume again; with
-        ``redeclare``, declare the topology first. A declaration in flight is never cancelled
-        (that would close the channel the deliveries in flight still ack on)."""
-        try:
-            with contextlib.suppress(TimeoutError):
-                await first(fixed(), self._stopping.wait())
-            if redeclare and self._channel is not None and not self._stopping.is_set():
-                self._topology = await backoff.until_stopped(self._stopping, logger=log)(
-                    declare_topology, self._channel, self.settings, self.router.routing_keys()
-                )
-            if not self._stopping.is_set():
-                await backoff.until_stopped(self._stopping, logger=log)(self._consume)
-                log.info("%s: consumption resumed", why)
-        except Exception as exc:
-            if not self._stopping.is_set():
-                log.exception("could not resume consuming")
-                if not self._failure.done():
-                    self._failure.set_exception(exc)
-        finally:
-            self._resuming = None
-            self._pause_reason, self._pause_detail = None, ""
-            self.metrics.paused(None)

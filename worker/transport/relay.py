@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,10 +49,10 @@ from worker.backoff import bound_from_now, first, until_stopped
 from worker.core.envelope import CORRELATION_HEADER
 from worker.errors import Retryable
 from worker.faults import RELAY_AFTER_PUBLISH, RELAY_MID_BATCH, crash_point
-from worker.ops.metrics import Metrics
 from worker.settings import Settings
 from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
+from worker.telemetry import Telemetry
 from worker.transport.failed_events import FailedEvents
 
 log = logging.getLogger(__name__)
@@ -140,8 +140,8 @@ def _log_rolled_back(error: BaseException) -> None:
 class Relay:
     """Publishes the outbox until stopped; ``wake()`` makes it look at once.
 
-    ``stats`` counts ``relay_published``, ``relay_failed`` (returned, nacked or unpublishable,
-    to be retried) and ``relay_parked``, each once its batch has committed.
+    ``telemetry`` counts ``Count.RELAY_PUBLISHED``, ``Count.RELAY_FAILED`` (returned, nacked or
+    unpublishable, to be retried) and ``Count.RELAY_PARKED``, each once its batch has committed.
     """
 
     def __init__(
@@ -149,14 +149,12 @@ class Relay:
         settings: Settings,
         engine: AsyncEngine,
         connection: AbstractRobustConnection,
-        stats: Counter[str] | None = None,
-        metrics: Metrics | None = None,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings
         self.engine = engine
         self.connection = connection
-        self.stats: Counter[str] = Counter() if stats is None else stats
-        self.metrics = Metrics() if metrics is None else metrics
+        self.telemetry = Telemetry() if telemetry is None else telemetry
         self._wake = asyncio.Event()
         self._channel: AbstractChannel | None = None
         self._exchanges: dict[str, AbstractExchange] = {}
@@ -340,13 +338,10 @@ class Relay:
     ) -> None:
         """Count a committed batch in the metrics and stats, and its failed rows in the log's
         summary of failures per route."""
-        self.metrics.relay_batch(
+        self.telemetry.relay_batch(
             len(rows), published=len(published), failed=len(failed), parked=len(parked)
         )
-        self.stats["relay_published"] += len(published)
         if failed:
-            self.stats["relay_failed"] += len(failed)
-            self.stats["relay_parked"] += len(parked)
             gone = set(parked)
             for row in rows:
                 if (error := failed.get(row.id)) is not None:
