@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import backoff, logs, tracing
 from worker.backoff import first
 from worker.core import unit_of_work
-from worker.core.batches import after_commit, grouped
+from worker.core.batches import after_commit, checked, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     ROUTING_KEY_HEADER,
@@ -37,9 +37,7 @@ from worker.core.envelope import (
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
 from worker.errors import (
-    CheckFailed,
     PauseReason,
-    Rejected,
 )
 from worker.faults import (
     CONSUMER_AFTER_COMMIT,
@@ -292,25 +290,11 @@ class Consumer:
         if self.paused:
             await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
-        opened: list[tuple[AbstractIncomingMessage, Envelope]] = []
-        rejected: list[tuple[AbstractIncomingMessage, Delivery, Rejected]] = []
-        for message in messages:
-            delivery = delivery_from_amqp(message)
-            try:
-                envelope = self._open(delivery)
-            except Rejected as exc:
-                rejected.append((message, delivery, exc))
-                continue
-            except Exception as exc:  # whatever the body holds, it never kills the consumer
-                failed = CheckFailed(f"{type(exc).__name__}: {exc}")
-                failed.__cause__ = exc
-                rejected.append((message, delivery, failed))
-                continue
-            opened.append((message, envelope))
-        split = grouped(opened)
+        check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
+        split = grouped(check.opened)
         if split.together:
             await self._process_together(split.together)
-        for message, delivery, rejection in rejected:
+        for message, delivery, rejection in check.rejected:
             with logs.message_context(delivery):
                 await self.failures.delivery_failed(message, delivery, None, rejection)
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
