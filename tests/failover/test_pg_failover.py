@@ -366,15 +366,26 @@ async def test_a_failover_mid_stream_loses_nothing_applies_nothing_twice_and_par
             await engine.dispose()  # (its connections died with the primary)
 
             # (what was in flight, read on the replica once it applied all it received: it has
-            # every commit a client saw)
-            async def applied() -> bool:
-                return bool(
-                    await standby.fetchval(
-                        "SELECT pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn()"
-                    )
-                )
+            # every commit a client saw. The primary streams WAL up to its flush point, which
+            # may end inside a record; stopped at once, it never sends the rest, and the
+            # replica's replay stays short of what it received. So replay has caught up when it
+            # reaches the received end, or when it has stood still for 2 s: what remains is a
+            # torn record, no commit)
+            replayed: list[tuple[float, str]] = []
 
-            await wait_until(applied, timeout=30)
+            async def applied() -> bool:
+                row = await standby.fetchrow(
+                    "SELECT pg_last_wal_replay_lsn() >= pg_last_wal_receive_lsn() AS done, "
+                    "pg_last_wal_replay_lsn()::text AS replay"
+                )
+                assert row is not None
+                if row["done"]:
+                    return True
+                if not replayed or replayed[-1][1] != row["replay"]:
+                    replayed.append((time.monotonic(), row["replay"]))
+                return time.monotonic() - replayed[-1][0] >= 2.0
+
+            await wait_until(applied, timeout=60, interval=0.1)
             committed_at_stop = {
                 key
                 for (key,) in await standby.fetch(
