@@ -7,6 +7,7 @@ would; status must report what it can read and say which service it could not.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -28,6 +29,7 @@ from tests.integration.support import (
 )
 from worker.ops import admin
 from worker.settings import Settings
+from worker.testing import empty_database
 
 
 async def worker(settings: Settings, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -332,3 +334,39 @@ async def test_a_relay_publishes_a_retried_row_under_its_message_id(
         message = await queue.get(no_ack=True, fail=False)
     assert message is not None
     assert message.message_id == str(message_id)
+
+
+async def test_status_says_the_broker_refused_the_login_not_that_it_cannot_be_reached(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given a RabbitMQ that answers, and a wrong password
+    wrong = settings.amqp_url.replace("guest:guest@", "guest:not-the-password@")
+    assert wrong != settings.amqp_url
+
+    # When status reads it
+    result = await worker(settings, "status", WORKER_AMQP_URL=wrong)
+
+    # Then it says what to fix, not that the broker is down
+    assert result.returncode == 3
+    assert "RabbitMQ refused the login" in result.stderr
+    assert "cannot reach RabbitMQ" not in result.stderr
+    assert "not-the-password" not in result.stderr + result.stdout
+
+
+async def test_status_of_a_database_without_the_worker_tables_says_run_migrate(
+    settings: Settings, amqp: AbstractRobustConnection
+) -> None:
+    # Given a PostgreSQL that answers, in a database the migrations never ran in
+    await declare(amqp, settings)
+    empty = contextlib.ExitStack()  # (empty_database runs its own event loop: in a thread)
+    scratch = await asyncio.to_thread(empty.enter_context, empty_database(settings))
+    try:
+        # When status reads it
+        result = await worker(settings, "status", WORKER_DATABASE_URL=scratch.database_url)
+    finally:
+        await asyncio.to_thread(empty.close)
+
+    # Then it names the fix
+    assert result.returncode == 3
+    assert "run `worker migrate` first" in result.stderr
+    assert "cannot reach PostgreSQL" not in result.stderr

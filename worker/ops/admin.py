@@ -28,7 +28,16 @@ from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
-from worker.errors import AccessRefused, ConfigurationError, Service, cannot_reach, innermost
+from worker.errors import (
+    AccessRefused,
+    ConfigurationError,
+    Fault,
+    Service,
+    cannot_reach,
+    classify,
+    innermost,
+    refusal,
+)
 from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops.http import local_url
@@ -222,7 +231,7 @@ async def _part(
     settings: Settings,
 ) -> _T | None:
     """``read``'s result, or None with why ``service`` could not be read in ``errors[part]``:
-    a refusal's own sentence, else ``cannot_reach``'s. Any other ``ConfigurationError`` (a
+    what to fix (``_unread``). Any other ``ConfigurationError`` (a
     setting no read can fix) is raised."""
     url = settings.database_url if service is Service.POSTGRESQL else settings.amqp_url
     try:
@@ -236,8 +245,23 @@ async def _part(
     except ConfigurationError:
         raise  # (a setting no read can fix: the command's usage error)
     except Exception as exc:
-        errors[part] = cannot_reach(service, url, describe_error(innermost(exc)))
+        errors[part] = _unread(exc, service, url)
     return None
+
+
+def _unread(exc: Exception, service: Service, url: str) -> str:
+    """Why ``service`` could not be read, as the one sentence that says what to fix: a
+    refusal's (login, database, virtual host, TLS), a schema the migrations have not made, or
+    ``cannot_reach``'s."""
+    refused = refusal(exc)
+    if refused is not None:
+        return str(refused)
+    if service is Service.POSTGRESQL and classify(exc) is Fault.DEPLOYMENT:
+        return (
+            f"PostgreSQL answered, but the worker's tables are missing or behind "
+            f"({describe_error(innermost(exc))}): run `worker migrate` first"
+        )
+    return cannot_reach(service, url, describe_error(innermost(exc)))
 
 
 async def outbox_list(

@@ -125,8 +125,8 @@ STATUS = Command(
     "Message and consumer counts of the work queue, the DLQ and each retry queue (passive "
     "declares: nothing is created); the outbox backlog, its oldest row's age, rows waiting "
     "for a retry and rows parked; inbox keys by status; workflows in progress and the least "
-    "recently advanced one. Exits 1, after showing what it could read, when PostgreSQL or "
-    "RabbitMQ cannot be read.",
+    "recently advanced one. Exits 3, after showing what it could read and why the rest "
+    "could not be read, when PostgreSQL or RabbitMQ cannot be read.",
     reads=(Group.RETRIES, Group.ENDPOINT),
     options=_status_options,
 )
