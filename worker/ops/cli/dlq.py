@@ -41,7 +41,10 @@ def _filters(parser: argparse.ArgumentParser) -> None:
         help="only the messages parked for this reason (`unverified`: those without the "
         "worker's record of parking them)",
     )
-    parser.add_argument("--handler", help="only the messages of this handler (its routing key)")
+    parser.add_argument(
+        "--handler",
+        help="only the messages of this handler (its name: its routing key unless it sets name=)",
+    )
 
 
 def _selection(args: argparse.Namespace) -> Selection:
