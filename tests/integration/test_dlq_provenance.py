@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -571,3 +572,28 @@ async def test_no_copy_is_parked_without_its_record_first(
     [parked] = await dlq.list_parked(amqp, engine, settings)
     assert parked.verified
     assert (parked.key, parked.reason) == ("k-unrecorded", "handler-error")
+
+
+async def test_the_log_line_of_a_parked_message_names_the_id_dlq_show_takes(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    ledger_table: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a handler that fails for good
+    class Broken(Switch):
+        failing = "permanent"
+
+    # When the worker parks a message of it
+    with caplog.at_level(logging.WARNING, logger="worker"):
+        async with running_worker(settings, ledger(Broken)):
+            await send(amqp, settings, b'{"n": 1}', {"idempotency-key": "k-logged"})
+            await dlq_depth(settings, 1)
+
+    # Then its log line names the parking id, and `worker dlq show` finds the message by it
+    [parked] = await dlq.list_parked(amqp, engine, settings)
+    [line] = [r.getMessage() for r in caplog.records if "dead-lettered message" in r.getMessage()]
+    assert f"as parking {parked.parking_id}" in line
+    shown = await worker(settings, "show", str(parked.parking_id))
+    assert shown.returncode == 0, shown.stderr

@@ -212,23 +212,29 @@ class Failures:
                 for (failed, park), record in zip(to_park, records, strict=True)
             ]
         )
-        parked = [each for each, ok in zip(to_park, copied, strict=True) if ok]
+        parked = [
+            (failed, park, record)
+            for (failed, park), record, ok in zip(to_park, records, copied, strict=True)
+            if ok
+        ]
         if not parked:
             return
         crash_point(FAILURES_PARKED, len(parked))
-        await self._commit_failed_keys([f for f, park in parked if _records_key(f, park)])
+        await self._commit_failed_keys([f for f, park, _ in parked if _records_key(f, park)])
         crash_point(FAILURES_RECORDED, len(parked))
-        for failed, park in parked:
+        for failed, park, record in parked:
             self.streak.dead_lettered(failed.failure.handler, park.reason)
             with failed.logged():
                 log.warning(
-                    "dead-lettered message %s (routing key %r): %s: %s",
+                    "dead-lettered message %s (routing key %r) as parking %s "
+                    "(`worker dlq show` takes it): %s: %s",
                     failed.message.message_id,
                     failed.failure.delivery.routing_key,
+                    record.parking_id,
                     park.reason,
                     failed.failure.error,
                 )
-        await self.copies.settlements.ack([failed.message for failed, _ in parked])
+        await self.copies.settlements.ack([failed.message for failed, _, _ in parked])
 
     async def _commit_parkings(
         self, to_park: Sequence[tuple[FailedDelivery, Park]], records: Sequence[ParkingRow]
