@@ -19,6 +19,12 @@ e. ``relay draining the outbox``: ``worker.ops.runner.run_relay`` alone on N pre
    aio-pika, confirms on, ``mandatory`` to a bound queue, ``PUBLISH_WINDOW`` in flight and then
    awaited. After the drain, (e) reads its queue back and notes any account whose events arrived
    in another order than their rows were committed in.
+f. ``FastStream + faststream-outbox``: (d)'s pipeline written the way those libraries document it
+   (``benchmarks/peer/service.py``: a subscriber per message, one SQLAlchemy transaction with a
+   hand-written inbox claim, ``OutboxBroker.publish(session=)``, its relay, a downstream
+   subscriber), run as a subprocess in ``.venv-peer`` (built on first use from
+   ``benchmarks/peer/requirements.txt``; skipped, with the reason, when it cannot be built),
+   timed from its ``ready`` line until (d)'s end condition holds; d/f is printed.
 
 The payments are ``examples.payments.demo.plan_payments``: a share of them (``--duplicates``) are
 repeats of earlier ones, spread over ``--accounts`` accounts. The tables are emptied and a
@@ -52,7 +58,7 @@ A fresh database ``worker_bench_<hex>`` is created next to the one in ``WORKER_D
 migrated and dropped at the end; exchanges and queues on ``WORKER_AMQP_URL`` are named
 ``bench-<hex>-<scenario>...`` and deleted at the end of each scenario. From the repository root::
 
-    .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,latency]
+    .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,f,latency]
         [--inbox-rows 10000000] [--quick]
 """
 
@@ -96,6 +102,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncEngine
 
+from benchmarks import peer
 from benchmarks.common import (
     REQUESTED,
     SEED,
@@ -148,6 +155,7 @@ SCENARIOS = (
     "processes",
     "d",
     "e",
+    "f",
     "uvloop",
     "latency",
 )
@@ -176,6 +184,10 @@ EXPECTED_STATS = frozenset(
 
 class ScenarioTimeout(Exception):
     """A scenario did not finish within ``--timeout`` seconds."""
+
+
+class ScenarioSkipped(Exception):
+    """A scenario could not run here (the message says why); the others still run."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +245,7 @@ TARGETS = (
     Target("plain-pre", "b", 0.0),
     Target("plain-pg", "b", 0.0),
     Target("d", "a", 0.6),
+    Target("d", "f", 0.0),
     Target("e", "bare", 1.0),
     Target("c+", "c", 0.9),
     Target("c", "c-sa", 0.0),
@@ -748,6 +761,61 @@ async def worker_with_relay(bench: Bench) -> Timing:
     return timing
 
 
+async def faststream_peer(bench: Bench) -> Timing:
+    """(f) (d)'s pipeline in FastStream + faststream-outbox (``benchmarks/peer``), a subprocess
+    in its own virtualenv, until (d)'s end condition holds; checked as (d) is."""
+    try:
+        python = await asyncio.to_thread(peer.peer_python)
+    except peer.PeerUnavailable as exc:
+        raise ScenarioSkipped(f"the peer's virtualenv could not be made: {exc}") from exc
+    settings = bench.names("f")
+    notices, capture_name = f"{settings.queue}.notices", f"{settings.queue}.capture"
+    await reset_tables(bench.engine)
+    try:
+        exchange = await bench.channel.declare_exchange(
+            settings.exchange, aio_pika.ExchangeType.TOPIC, durable=True
+        )
+        for name, key in ((settings.queue, REQUESTED), (notices, SETTLED), (capture_name, SETTLED)):
+            await (await bench.channel.declare_queue(name, durable=True)).bind(exchange, key)
+        requests = await bench.channel.declare_queue(settings.queue, passive=True)
+        capture = await bench.channel.declare_queue(capture_name, passive=True)
+        await preload(bench, exchange, REQUESTED)
+        names = peer.PeerNames(
+            settings.sqlalchemy_url,
+            settings.amqp_url,
+            settings.exchange,
+            settings.queue,
+            settings.prefetch,
+        )
+        async with peer.running_peer(python, names) as process:
+
+            async def finished() -> bool:
+                # every event captured and every request taken, then every row written
+                if await queue_depth(capture) < bench.unique or await queue_depth(requests):
+                    return False
+                for table in ("ledger_entries", "settlement_notices"):
+                    if await count_rows(bench.engine, table) < bench.unique:
+                        return False
+                return True
+
+            alive = asyncio.create_task(process.wait(), name="peer")
+            try:
+                timing = await timed(finished, bench.options.timeout, alive)
+            finally:
+                alive.cancel()
+        captured, left = await queue_depth(capture), await queue_depth(requests)
+    finally:
+        await delete_broker_objects(settings, [notices, capture_name])
+    if captured != bench.unique:
+        bench.note("f", f"{captured} events captured downstream for {bench.unique} payments")
+    if left:
+        bench.note("f", f"{left} requests left in the queue after the peer stopped")
+    if rows := await count_rows(bench.engine, "peer_outbox"):
+        bench.note("f", f"{rows} outbox rows left after the peer stopped")
+    await check_payments(bench, "f", notices=True)
+    return timing
+
+
 def outbox_messages(bench: Bench, exchange: str) -> Iterator[OutboxMessage]:
     """One ``payment.settled`` event per planned send, as the payments handler records it."""
     for payment in bench.plan.sends:
@@ -1065,6 +1133,7 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("c+", "worker, relay off, full inbox", worker_relay_off_full_inbox),
     ("d", "worker + relay, events downstream", worker_with_relay),
     ("e", "relay draining the outbox", relay_alone),
+    ("f", "FastStream + faststream-outbox, as (d)", faststream_peer),
     ("bare", "bare publish+confirm (aio-pika)", bare_publish),
 )
 """In order; ``bare`` runs with ``e``."""
@@ -1101,6 +1170,8 @@ async def run_scenarios(
                 timing = await scenario(bench)
             except ScenarioTimeout as exc:
                 bench.note(key, f"{exc}: lower --messages (or raise --timeout)")
+            except ScenarioSkipped as exc:
+                bench.note(key, f"not run: {exc}")
             bench.runs.append(Run(key, label, len(plan.sends), timing))
             progress(f"  {timing.seconds:.1f} s" if timing else "  timed out")
         if with_latency and "latency" in options.only:
