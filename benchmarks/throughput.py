@@ -202,6 +202,7 @@ class Options:
     latency_rate: float
     timeout: float
     inbox_rows: int
+    quick: bool = False
 
 
 @dataclass(frozen=True)
@@ -765,7 +766,7 @@ async def faststream_peer(bench: Bench) -> Timing:
     """(f) (d)'s pipeline in FastStream + faststream-outbox (``benchmarks/peer``), a subprocess
     in its own virtualenv, until (d)'s end condition holds; checked as (d) is."""
     try:
-        python = await asyncio.to_thread(peer.peer_python)
+        python = await asyncio.to_thread(peer.peer_python, build=not bench.options.quick)
     except peer.PeerUnavailable as exc:
         raise ScenarioSkipped(f"the peer's virtualenv could not be made: {exc}") from exc
     settings = bench.names("f")
@@ -1336,6 +1337,7 @@ def parse_options(argv: list[str] | None) -> Options:
         latency_rate=args.latency_rate,
         timeout=args.timeout or 120.0 + 0.02 * messages,
         inbox_rows=args.inbox_rows or 0,
+        quick=args.quick,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -33,6 +34,9 @@ another content, is rebuilt."""
 INSTALL_SECONDS = 600.0
 READY_SECONDS = 60.0
 STOP_SECONDS = 30.0
+EXTRA_ARGUMENTS = "BENCH_PEER_ARGS"
+"""An environment variable of more ``service.py`` options, e.g. ``--relay-workers 4``, to
+measure the peer tuned; unset, it runs on the libraries' defaults."""
 
 
 class PeerUnavailable(Exception):
@@ -55,7 +59,7 @@ def _installed(venv: Path) -> bool:
     return marker.exists() and marker.read_text() == REQUIREMENTS.read_text()
 
 
-def _build(venv: Path) -> None:
+def _build(venv: Path, timeout: float) -> None:
     """Make ``venv`` from scratch and install the requirements; raise ``PeerUnavailable``."""
     shutil.rmtree(venv, ignore_errors=True)
     python = venv / "bin" / "python"
@@ -66,7 +70,7 @@ def _build(venv: Path) -> None:
     for step in steps:
         try:
             done = subprocess.run(
-                step, capture_output=True, text=True, timeout=INSTALL_SECONDS, check=False
+                step, capture_output=True, text=True, timeout=timeout, check=False
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             shutil.rmtree(venv, ignore_errors=True)
@@ -78,11 +82,14 @@ def _build(venv: Path) -> None:
     (venv / INSTALLED).write_text(REQUIREMENTS.read_text())
 
 
-def peer_python(venv: Path = VENV) -> Path:
-    """The interpreter of the peer's virtualenv, built first when needed (blocking: minutes
-    the first time). Raises ``PeerUnavailable`` with the reason when it cannot be made."""
+def peer_python(venv: Path = VENV, *, build: bool = True, timeout: float = INSTALL_SECONDS) -> Path:
+    """The interpreter of the peer's virtualenv, built first when needed and ``build`` (blocking:
+    seconds to minutes, each step within ``timeout``). Raises ``PeerUnavailable`` with the
+    reason when it is not there and cannot (or may not) be made."""
     if not _installed(venv):
-        _build(venv)
+        if not build:
+            raise PeerUnavailable(f"{venv.name} is not built (a run without --quick builds it)")
+        _build(venv, timeout)
     return venv / "bin" / "python"
 
 
@@ -94,6 +101,7 @@ def _arguments(names: PeerNames) -> list[str]:
         f"--queue={names.queue}",
         f"--prefetch={names.prefetch}",
         "--reset",
+        *shlex.split(os.environ.get(EXTRA_ARGUMENTS, "")),
     ]
 
 

@@ -20,9 +20,11 @@ It keeps the promise of the worker's (d) with the libraries' own tools, one mess
 The example's tables (``accounts``, ``ledger_entries``, ``settlement_notices``) must exist; the
 peer creates its own ``peer_inbox`` and ``peer_outbox`` if missing (``--reset`` empties them).
 Defaults are the libraries' own (outbox subscriber: ``max_workers=1``, ``fetch_batch_size=10``,
-one DELETE per relayed row; SQLAlchemy's pool: 5 + 10 overflow) except the RabbitMQ prefetch,
-``--prefetch`` (the worker's, 400; FastStream sets none by default), and per-message access logs,
-lowered to DEBUG as the benchmark runs the worker at WARNING. It prints ``ready`` on stdout once
+one DELETE per relayed row, unless ``--relay-workers``, ``--relay-fetch-batch`` or
+``--relay-flush-batch`` say otherwise; SQLAlchemy's pool: 5 + 10 overflow) except two: the
+RabbitMQ prefetch, ``--prefetch`` (the worker's, 400; FastStream sets none by default, and
+every delivery is a task of its own), and the per-message access logs, lowered to DEBUG as the
+benchmark runs the worker at WARNING. It prints ``ready`` on stdout once
 every subscriber has started, and stops on SIGTERM.
 """
 
@@ -119,8 +121,18 @@ def build(options: argparse.Namespace, engine: AsyncEngine) -> tuple[RabbitBroke
             event = {**values, "balance_cents": balance}
             await outbox.publish(event, queue=OUTBOX_QUEUE, session=session)
 
+    tuning = {
+        name: value
+        for name, value in (
+            ("max_workers", options.relay_workers),
+            ("fetch_batch_size", options.relay_fetch_batch),
+            ("terminal_flush_batch_size", options.relay_flush_batch),
+        )
+        if value is not None
+    }
+
     @rabbit.publisher(exchange=exchange, routing_key=SETTLED)
-    @outbox.subscriber(OUTBOX_QUEUE)
+    @outbox.subscriber(OUTBOX_QUEUE, **tuning)
     async def relay(event: dict[str, Any]) -> dict[str, Any]:
         return event
 
@@ -180,6 +192,12 @@ def parse_options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--exchange", required=True, help="the topic exchange of the requests")
     parser.add_argument("--queue", required=True, help="the requests' queue; notices: <it>.notices")
     parser.add_argument("--prefetch", type=int, default=400)
+    for name, default in (
+        ("workers", "max_workers=1"),
+        ("fetch-batch", "fetch_batch_size=10"),
+        ("flush-batch", "terminal_flush_batch_size=1"),
+    ):
+        parser.add_argument(f"--relay-{name}", type=int, help=f"the library's default: {default}")
     parser.add_argument("--reset", action="store_true", help="empty peer_inbox and peer_outbox")
     options = parser.parse_args(argv)
     if not options.database_url or not options.amqp_url:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from benchmarks import peer
 from tests.integration.support import run_benchmark
 
 RATIOS = (
@@ -30,6 +33,26 @@ def test_throughput_quick_run_prints_every_ratio() -> None:
     assert any(line.startswith("(c+) worker") for line in lines), result.stdout
     assert "peak RSS after (c)" in result.stdout
     assert "publish -> commit" in result.stdout
+
+
+PEER_BUILD_SECONDS = 45.0
+"""How long each step of building .venv-peer may take here; slower (a slow package index) skips."""
+
+
+def test_throughput_runs_the_faststream_peer_as_d_does() -> None:
+    # Given the peer's own virtualenv, built from the package index when missing
+    try:
+        peer.peer_python(timeout=PEER_BUILD_SECONDS)
+    except peer.PeerUnavailable as exc:
+        pytest.skip(f"the FastStream peer's virtualenv cannot be made here: {exc}")
+    # When (d) and (f) run on the same payments
+    result = run_benchmark("throughput", "--only", "d,f", "--messages", "200")
+    # Then (f) finished with every payment, notice and event checked (no note), and d/f printed
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    [row] = [line for line in lines if line.startswith("(f) ")]
+    assert row.split()[-3].replace(".", "").isdigit(), result.stdout
+    assert any(line.startswith("d/f") and "x" in line for line in lines), result.stdout
 
 
 def test_ingress_quick_run_prints_the_ratio_and_the_p99() -> None:
