@@ -24,7 +24,8 @@ f. ``FastStream + faststream-outbox``: (d)'s pipeline written the way those libr
    hand-written inbox claim, ``OutboxBroker.publish(session=)``, its relay, a downstream
    subscriber), run as a subprocess in ``.venv-peer`` (built on first use from
    ``benchmarks/peer/requirements.txt``; skipped, with the reason, when it cannot be built),
-   timed from its ``ready`` line until (d)'s end condition holds; d/f is printed.
+   timed from its ``ready`` line until (d)'s end condition holds; d/f is printed. Its ``cpu %``
+   is the peer process's.
 
 The payments are ``examples.payments.demo.plan_payments``: a share of them (``--duplicates``) are
 repeats of earlier ones, spread over ``--accounts`` accounts. The tables are emptied and a
@@ -800,10 +801,14 @@ async def faststream_peer(bench: Bench) -> Timing:
                 return True
 
             alive = asyncio.create_task(process.wait(), name="peer")
+            cpu_before = await asyncio.to_thread(peer.cpu_seconds, process.pid)
             try:
                 timing = await timed(finished, bench.options.timeout, alive)
             finally:
                 alive.cancel()
+            cpu_after = await asyncio.to_thread(peer.cpu_seconds, process.pid)
+            if cpu_before is not None and cpu_after is not None:  # the peer's, not ours
+                timing = Timing(timing.seconds, cpu_after - cpu_before)
         captured, left = await queue_depth(capture), await queue_depth(requests)
     finally:
         await delete_broker_objects(settings, [notices, capture_name])

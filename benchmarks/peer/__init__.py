@@ -93,6 +93,15 @@ def peer_python(venv: Path = VENV, *, build: bool = True, timeout: float = INSTA
     return venv / "bin" / "python"
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds process ``pid`` has used so far (Linux ``/proc``; else None)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _arguments(names: PeerNames) -> list[str]:
     """The command line; the URLs go by environment (``PEER_DATABASE_URL``, ``PEER_AMQP_URL``),
     where ``ps`` does not show their passwords."""
