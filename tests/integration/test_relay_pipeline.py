@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from aio_pika import ExchangeType
-from aio_pika.abc import AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
@@ -27,6 +27,7 @@ from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import OutboxMessage
 from worker.telemetry import Count
+from worker.transport.publisher import Channel
 from worker.transport.relay import Relay
 
 KEYS = ("k0", "k1", "k2", "k3")
@@ -62,11 +63,11 @@ class SlowRelay(Relay):
         finally:
             self.publishing -= 1
 
-    async def _publish_one(self, row: OutboxRow, exchange: AbstractExchange | None) -> str | None:
+    async def _publish_one(self, channel: Channel, row: OutboxRow, exists: bool) -> str | None:
         await asyncio.sleep(self.rng.uniform(0, self.delay))
         if self.fail is not None and (error := self.fail(row)) is not None:
             raise error
-        return await super()._publish_one(row, exchange)
+        return await super()._publish_one(channel, row, exists)
 
 
 def sequenced(settings: Settings, per_key: int, seed: int) -> list[OutboxMessage]:
