@@ -4,7 +4,11 @@ aio-pika ``Message`` per publish: the relay's rows and the consumer's failure co
 Invariant: ``publish_confirmed`` returns only once the broker confirmed the message; a message it
 returned as unroutable raises ``PublishError``, one it nacked ``DeliveryError``, one lost with its
 channel the channel's error: never a silent success. Many publishes may be in flight on one
-channel at once (pipelined), each awaiting its own confirm.
+channel at once (pipelined), each awaiting its own confirm. A publish does not wait for its frames
+to be written to the socket (``wait=False``), only for the confirm: the writer's drain is no part
+of the guarantee, and waiting for it held the channel's publish lock one event-loop round per
+message (client CPU per publish, relay path: aio-pika Message 138 us, lean with the drain 115 us,
+lean without it 103 us, medians of 3 alternating rounds on the shared 2-core box).
 
 The properties are built here directly (a pamqp ``Basic.Properties``), exactly as aio-pika's
 ``Message.properties`` would hold them (persistent, priority 0): a consumer sees the same message
@@ -114,6 +118,7 @@ async def publish_confirmed(
         routing_key=routing_key,
         properties=properties,
         mandatory=True,
+        wait=False,
     )
     if isinstance(confirmation, aiormq.abc.DeliveredMessage):  # a channel without on_return_raises
         raise aiormq.exceptions.PublishError(confirmation, confirmation.delivery)
