@@ -1,5 +1,5 @@
-"""The properties the lean publisher sends for an outbox row are, byte for byte, those aio-pika's
-``Message`` held when the relay published through it."""
+"""The properties the lean publisher sends for an outbox row or a failure copy are, byte for byte,
+those aio-pika's ``Message`` held when they were published through it."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ from datetime import UTC, datetime
 
 import aio_pika
 import pytest
+from aiormq.abc import DeliveredMessage
 from pamqp.commands import Basic
 from pamqp.header import ContentHeader
 
 from worker.sql.outbox import OutboxRow
+from worker.transport.dead_letters import copy_of, copy_properties, moved_copy, moved_headers
 from worker.transport.publisher import properties_of
 
 
@@ -77,3 +79,37 @@ def test_a_long_correlation_id_travels_in_the_header_only() -> None:
     assert properties.headers is not None
     assert properties.headers["correlation-id"] == "ü" * 200
     assert properties.delivery_mode == 2
+
+
+def incoming(exchange: str, headers: dict[str, object]) -> aio_pika.IncomingMessage:
+    """A delivery as aio-pika hands it to the consumer, every copied property set."""
+    properties = Basic.Properties(
+        content_type="application/json",
+        content_encoding="utf-8",
+        headers=headers,
+        delivery_mode=1,
+        correlation_id="corr-1",
+        message_id="m-1",
+        timestamp=datetime(2026, 11, 26, 1, 2, 3, tzinfo=UTC),
+        message_type="payment.requested",
+        app_id="shop",
+    )
+    delivered = DeliveredMessage(
+        delivery=Basic.Deliver("ctag", 7, False, exchange, "payment.requested"),
+        header=ContentHeader(0, 2, properties),
+        body=b"{}",
+        channel=None,  # type: ignore[arg-type]
+    )
+    return aio_pika.IncomingMessage(delivered, no_ack=True)
+
+
+@pytest.mark.parametrize("exchange", ["", "events"])
+def test_a_failure_copys_properties_are_those_aio_pika_sent(exchange: str) -> None:
+    message = incoming(exchange, {"idempotency-key": "k-1", "x-delivery-count": 2})
+    headers = {"x-worker-reason": "handler-failed", "n": 1}
+    assert encoded(copy_properties(message, headers)) == encoded(
+        copy_of(message, headers).properties
+    )
+    assert encoded(copy_properties(message, moved_headers(message))) == encoded(
+        moved_copy(message).properties
+    )

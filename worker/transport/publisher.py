@@ -36,7 +36,7 @@ CAUSATION_HEADER = "causation-id"
 MAX_SHORT_STRING = 255
 """Bytes an AMQP short string (such as the correlation_id property) may hold."""
 
-Channel = aiormq.abc.AbstractChannel
+Channel = aiormq.Channel
 """The aiormq channel a batch of publishes goes out on (an aio-pika channel's underlay)."""
 
 
@@ -94,7 +94,11 @@ def properties_of(row: OutboxRow) -> Basic.Properties:
 async def channel_of(channel: AbstractChannel) -> Channel:
     """The aiormq channel under ``channel`` now (after a reconnect, the new one); raises
     ``ChannelInvalidStateError`` if it is closed."""
+    if channel.is_closed:
+        raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} is closed")
     underlay = await channel.get_underlay_channel()
+    if not isinstance(underlay, aiormq.Channel):  # aio-pika's channels all have one
+        raise TypeError(f"not an aiormq channel: {underlay!r}")
     if underlay.is_closed:
         raise aiormq.exceptions.ChannelInvalidStateError(f"{underlay!r} is closed")
     return underlay
@@ -124,3 +128,17 @@ async def publish_confirmed(
         raise aiormq.exceptions.PublishError(confirmation, confirmation.delivery)
     if not isinstance(confirmation, Basic.Ack):
         raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
+
+
+async def publish_on(
+    channel: AbstractChannel,
+    body: bytes,
+    properties: Basic.Properties,
+    *,
+    exchange: str,
+    routing_key: str,
+) -> None:
+    """``publish_confirmed`` on the aiormq channel under ``channel`` now: one publish, as
+    aio-pika's ``Exchange.publish`` would do it, without its ``Message``."""
+    underlay = await channel_of(channel)
+    await publish_confirmed(underlay, body, properties, exchange=exchange, routing_key=routing_key)
