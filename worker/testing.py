@@ -77,7 +77,7 @@ from worker.sql import inbox, outbox
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import InboxEntry, InboxKey
 from worker.transport.dead_letters import Failure, cause_of
-from worker.transport.relay import message_of
+from worker.transport.publisher import properties_of
 
 log = logging.getLogger(__name__)
 
@@ -502,8 +502,8 @@ class Harness:
 
 
 def published_of(row: OutboxRow) -> Published:
-    """An outbox row as the relay publishes it (``relay.message_of``)."""
-    message = message_of(row)
+    """An outbox row as the relay publishes it (``publisher.properties_of``)."""
+    properties = properties_of(row)
     body: Any = row.body
     if is_json_content_type(row.content_type):
         with contextlib.suppress(Rejected):
@@ -511,12 +511,12 @@ def published_of(row: OutboxRow) -> Published:
     return Published(
         exchange=row.exchange,
         routing_key=row.routing_key,
-        message_id=str(message.message_id),
+        message_id=str(properties.message_id),
         body=body,
         raw=row.body,
         content_type=row.content_type,
-        headers=dict(message.headers),
-        correlation_id=message.correlation_id,
+        headers=dict(properties.headers or {}),
+        correlation_id=properties.correlation_id,
         causation_id=row.causation_id,
         ordering_key=row.ordering_key,
     )

@@ -259,6 +259,48 @@ async def test_a_failing_row_backs_off_then_is_parked_while_others_flow(
     assert relay.stats[Count.RELAY_FAILED] == 6
 
 
+async def test_a_row_the_broker_nacks_backs_off_then_is_parked_while_others_flow(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, capture: Capture
+) -> None:
+    # Given a queue that refuses every publish (length 0, reject-publish) bound to one routing
+    # key, an event for it and 10 good ones around it
+    channel = await amqp.channel()
+    exchange = await channel.get_exchange(settings.exchange)
+    full = await channel.declare_queue(
+        f"{settings.queue}.full",
+        durable=True,
+        arguments={"x-max-length": 0, "x-overflow": "reject-publish"},
+    )
+    await full.bind(exchange, "refused.event")
+    refused = event(settings, 0, routing_key="refused.event")
+    good = [event(settings, n) for n in range(1, 11)]
+    await commit(engine, [*good[:5], refused, *good[5:]], each=True)
+    fast = settings.replace(relay_max_attempts=3, relay_retry_delay=0.05, relay_poll_interval=0.1)
+
+    # When a relay runs
+    try:
+        async with running_relay(fast) as relay:
+            await capture.wait_for(len(good))
+
+            async def parked() -> bool:
+                return await scalar(engine, "SELECT count(*) FROM outbox_parked") == 1
+
+            await wait_until(parked)
+    finally:
+        await channel.queue_delete(full.name)
+        await channel.close()
+
+    # Then the good ones arrived once each, and the nacked one failed 3 times and was parked
+    assert capture.ids() == Counter(str(m.message_id) for m in good)
+    (row,) = await rows(engine, "SELECT message_id, attempts, last_error FROM outbox_parked")
+    assert row.message_id == refused.message_id
+    assert row.attempts == 3
+    assert "nacked by the broker" in row.last_error
+    assert await outbox_count(engine) == 0
+    assert relay.stats[Count.RELAY_PARKED] == 1
+    assert relay.stats[Count.RELAY_FAILED] == 3
+
+
 async def test_each_failure_doubles_the_wait_before_the_next_try(engine: AsyncEngine) -> None:
     settings = Settings(exchange="events")
     async with engine.connect() as conn, conn.begin():

@@ -14,9 +14,10 @@ from collections import Counter, defaultdict
 from collections.abc import Callable
 from typing import Any
 
+import aiormq.exceptions
 import pytest
 from aio_pika import ExchangeType
-from aio_pika.abc import AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
@@ -27,6 +28,7 @@ from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import OutboxMessage
 from worker.telemetry import Count
+from worker.transport.publisher import Channel
 from worker.transport.relay import Relay
 
 KEYS = ("k0", "k1", "k2", "k3")
@@ -62,11 +64,11 @@ class SlowRelay(Relay):
         finally:
             self.publishing -= 1
 
-    async def _publish_one(self, row: OutboxRow, exchange: AbstractExchange | None) -> str | None:
+    async def _publish_one(self, channel: Channel, row: OutboxRow, exists: bool) -> str | None:
         await asyncio.sleep(self.rng.uniform(0, self.delay))
         if self.fail is not None and (error := self.fail(row)) is not None:
             raise error
-        return await super()._publish_one(row, exchange)
+        return await super()._publish_one(channel, row, exists)
 
 
 def sequenced(settings: Settings, per_key: int, seed: int) -> list[OutboxMessage]:
@@ -303,6 +305,39 @@ async def test_an_outage_in_one_batch_loses_nothing_and_deletes_each_row_once(
     assert first_arrivals(capture) == {k: list(range(40)) for k in KEYS}
     if where == "delete":
         assert sum(capture.ids().values()) > len(sent)
+
+
+async def test_a_channel_closed_under_the_relay_fails_its_batches_and_the_new_one_publishes(
+    settings: Settings, engine: AsyncEngine, capture: Capture, amqp: AbstractRobustConnection
+) -> None:
+    # Given 40 events of each of 4 keys, drained by a relay with slowed confirms
+    sent = sequenced(settings, 40, seed=3)
+    await commit(engine, sent, each=False)
+    fast = settings.replace(relay_batch_size=8, relay_retry_delay=0.05, relay_poll_interval=0.05)
+    relay = SlowRelay(fast, engine, amqp, delay=0.01)
+    async with running(relay):
+        await capture.wait_for(20)
+        assert relay._channel is not None
+        before = await relay._channel.get_underlay_channel()
+
+        # When the broker closes its publishing channel mid-run (a publish to a missing
+        # exchange is a channel error)
+        with pytest.raises(aiormq.exceptions.ChannelNotFoundEntity):
+            await before.basic_publish(b"{}", exchange=f"{settings.exchange}-none", routing_key="x")
+        await wait_until(lambda: _is(outbox_count(engine), 0), timeout=60)
+        await capture.wait_for(len(sent))
+        await asyncio.sleep(0.2)
+        await capture.drain()
+        after = await relay._channel.get_underlay_channel()
+
+    # Then the relay went on on the channel the robust connection opened in its place: every
+    # event arrived (those of the failed batches perhaps twice, same id), each row was deleted
+    # once, and each key's events first arrived in commit order
+    assert before.is_closed
+    assert after is not before
+    assert set(capture.ids()) == {str(m.message_id) for m in sent}
+    assert relay.telemetry.stats[Count.RELAY_PUBLISHED] == len(sent)
+    assert first_arrivals(capture) == {k: list(range(40)) for k in KEYS}
 
 
 async def _is(value: Any, expected: Any) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiormq.exceptions
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
 
 from worker import logs
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Envelope
@@ -39,9 +39,9 @@ log = logging.getLogger(__name__)
 LOST_COPIES_REMEMBERED = 10_000
 """Deliveries whose failure copy was lost with the channel, remembered to break a cycle."""
 
-Publish = Callable[[AbstractExchange], Awaitable[None]]
-"""Publishes the copy a failure turns a delivery into, given the default exchange; returns after
-the broker's confirm."""
+Publish = Callable[[AbstractChannel], Awaitable[None]]
+"""Publishes the copy a failure turns a delivery into, given the consumer's channel (the lean
+``transport.publisher``, no aio-pika ``Message``); returns after the broker's confirm."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,10 @@ class CopyPublisher:
         """The copy that parks ``message`` in the dead-letter queue, as ``record`` says."""
         topology = self.subscription.topology
         assert topology is not None
-        exchange = topology.dead_letter_exchange
+        exchange = topology.dead_letter_exchange.name
 
-        async def publish(_: AbstractExchange) -> None:
-            await dead_letters.park(exchange, message, failure, record)
+        async def publish(channel: AbstractChannel) -> None:
+            await dead_letters.park(channel, exchange, message, failure, record)
 
         return FailureCopy(message, envelope, failure, reason, publish)
 
@@ -132,10 +132,8 @@ class CopyPublisher:
     ) -> FailureCopy:
         """The copy that waits in ``retry_queue`` to come back to the work queue."""
 
-        async def publish(default_exchange: AbstractExchange) -> None:
-            await dead_letters.schedule_retry(
-                default_exchange, message, failure, retry_queue=retry_queue
-            )
+        async def publish(channel: AbstractChannel) -> None:
+            await dead_letters.schedule_retry(channel, message, failure, retry_queue=retry_queue)
 
         return FailureCopy(message, envelope, failure, Reason.RETRY_FAILED, publish)
 
@@ -162,11 +160,7 @@ class CopyPublisher:
         copied = [False] * len(messages)
         if self.settings.work_queue_delivery_limit > 0 and topology is not None:
             errors = await _confirmed(
-                topology.default_exchange.publish(
-                    dead_letters.moved_copy(message),
-                    routing_key=self.settings.queue,
-                    mandatory=True,
-                )
+                dead_letters.move(topology.channel, message, queue=self.settings.queue)
                 for message in messages
             )
             for message, error in zip(messages, errors, strict=True):
@@ -211,9 +205,7 @@ class CopyPublisher:
                     await self._reject_to_broker(message, copy.failure, copy.reason)
             else:
                 sending.append(index)
-        errors = await _confirmed(
-            copies[index].publish(topology.default_exchange) for index in sending
-        )
+        errors = await _confirmed(copies[index].publish(topology.channel) for index in sending)
         for index, error in zip(sending, errors, strict=True):
             if error is None:
                 confirmed[index] = True

@@ -27,7 +27,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika import DeliveryMode, Message
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from pamqp.commands import Basic
 from pamqp.encode import field_table
 
 from worker.core.codec import storable
@@ -35,6 +36,7 @@ from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, 
 from worker.core.handler import Handler
 from worker.errors import HandlerFailed
 from worker.sql.parkings import ParkingRow
+from worker.transport.publisher import persistent, publish_on
 
 log = logging.getLogger(__name__)
 
@@ -189,29 +191,53 @@ def moved_copy(message: AbstractIncomingMessage) -> Message:
     """A persistent copy of ``message`` as it was published, to put in a queue again through the
     default exchange: a message that came through another exchange keeps the routing key it came
     with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
+    return copy_of(message, moved_headers(message))
+
+
+def moved_headers(message: AbstractIncomingMessage) -> dict[str, Any]:
+    """The headers of ``moved_copy(message)``."""
     headers = {k: v for k, v in (message.headers or {}).items() if k not in BROKER_HEADERS}
     if message.exchange:
         headers[ORIGINAL_ROUTING_KEY] = message.routing_key or ""
-    return copy_of(message, headers)
+    return headers
+
+
+def copy_properties(
+    message: AbstractIncomingMessage, headers: Mapping[str, Any]
+) -> Basic.Properties:
+    """The properties of ``copy_of(message, headers)``, built without its ``Message``."""
+    return persistent(
+        message_id=message.message_id,
+        headers=encodable(headers),
+        content_type=message.content_type,
+        correlation_id=message.correlation_id,
+        timestamp=message.timestamp,
+        content_encoding=message.content_encoding,
+        message_type=message.type,
+        app_id=message.app_id,
+    )
 
 
 async def park(
-    dead_letter_exchange: AbstractExchange,
+    channel: AbstractChannel,
+    dead_letter_exchange: str,
     message: AbstractIncomingMessage,
     failure: Failure,
     parking: ParkingRow,
 ) -> None:
     """Publish a copy of ``message`` to the dead-letter exchange as ``parking`` (recorded before,
     see the module docstring); return after the confirm."""
-    await dead_letter_exchange.publish(
-        copy_of(message, failure.dead_letter_headers(parking.reason, parking.parking_id)),
+    await publish_on(
+        channel,
+        message.body,
+        copy_properties(message, failure.dead_letter_headers(parking.reason, parking.parking_id)),
+        exchange=dead_letter_exchange,
         routing_key=failure.delivery.routing_key,
-        mandatory=True,
     )
 
 
 async def schedule_retry(
-    default_exchange: AbstractExchange,
+    channel: AbstractChannel,
     message: AbstractIncomingMessage,
     failure: Failure,
     *,
@@ -219,6 +245,17 @@ async def schedule_retry(
 ) -> None:
     """Publish a copy of ``message`` to ``retry_queue``, whose TTL sends it back to the work
     queue, and wait for the broker's confirm."""
-    await default_exchange.publish(
-        copy_of(message, failure.headers()), routing_key=retry_queue, mandatory=True
+    await publish_on(
+        channel,
+        message.body,
+        copy_properties(message, failure.headers()),
+        exchange="",
+        routing_key=retry_queue,
     )
+
+
+async def move(channel: AbstractChannel, message: AbstractIncomingMessage, *, queue: str) -> None:
+    """Publish ``moved_copy(message)`` to ``queue`` through the default exchange, and wait for
+    the broker's confirm."""
+    properties = copy_properties(message, moved_headers(message))
+    await publish_on(channel, message.body, properties, exchange="", routing_key=queue)

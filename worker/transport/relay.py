@@ -39,14 +39,12 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
-import aio_pika
 import aiormq.exceptions
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractRobustConnection
+from aio_pika.abc import AbstractChannel, AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker import tracing
 from worker.backoff import bound_from_now, first, until_stopped
-from worker.core.envelope import CORRELATION_HEADER
 from worker.errors import Retryable
 from worker.faults import RELAY_AFTER_PUBLISH, RELAY_MID_BATCH, crash_point
 from worker.settings import Settings
@@ -54,6 +52,7 @@ from worker.sql import outbox
 from worker.sql.outbox import OutboxRow
 from worker.telemetry import Telemetry
 from worker.transport.failed_events import FailedEvents
+from worker.transport.publisher import Channel, channel_of, properties_of, publish_confirmed
 
 log = logging.getLogger(__name__)
 
@@ -72,39 +71,9 @@ runs of ``benchmarks.throughput``): the broker's confirm latency grew with the r
 The relay's pool must hold this many connections plus one for LISTEN (``runner`` gives it two,
 and two more on overflow)."""
 
-CAUSATION_HEADER = "causation-id"
-
-
-MAX_SHORT_STRING = 255
-"""Bytes an AMQP short string (such as the correlation_id property) may hold."""
-
-
 RETRY_MAX = 5.0
 """Longest wait, in seconds, before the relay tries again after its database or broker failed:
 short, so that it publishes again within seconds of a network path coming back."""
-
-
-def message_of(row: OutboxRow) -> aio_pika.Message:
-    """The AMQP message for an outbox row: persistent, identified by the row's message id.
-
-    The correlation id travels in the ``correlation-id`` header too, and only there when it is
-    longer than an AMQP property can hold (a key may have 512 characters).
-    """
-    correlation_id = row.correlation_id
-    headers = {**row.headers, CAUSATION_HEADER: row.causation_id}
-    if correlation_id is not None:
-        headers[CORRELATION_HEADER] = correlation_id
-        if len(correlation_id.encode("utf-8")) > MAX_SHORT_STRING:
-            correlation_id = None
-    return aio_pika.Message(
-        row.body,
-        headers=headers,
-        content_type=row.content_type,
-        delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-        message_id=str(row.message_id),
-        correlation_id=correlation_id,
-        timestamp=row.created_at,
-    )
 
 
 def runs_to_publish(rows: Iterable[OutboxRow]) -> list[list[OutboxRow]]:
@@ -157,7 +126,8 @@ class Relay:
         self.telemetry = Telemetry() if telemetry is None else telemetry
         self._wake = asyncio.Event()
         self._channel: AbstractChannel | None = None
-        self._exchanges: dict[str, AbstractExchange] = {}
+        self._exchanges: set[str] = set()
+        """Names of the exchanges the broker was found to have."""
         self._probing = asyncio.Lock()
         self._batches: set[asyncio.Task[None]] = set()
         self._busy: set[str] = set()
@@ -351,19 +321,22 @@ class Relay:
                     )
 
     async def _publish(self, rows: list[OutboxRow]) -> tuple[list[int], dict[int, str]]:
-        """Publish ``rows``: the ``runs_to_publish`` concurrently, each run's rows in turn.
+        """Publish ``rows``: the ``runs_to_publish`` concurrently, each run's rows in turn, all
+        on the publishing channel's current underlay (after a reconnect, the new one).
 
         Returns the confirmed ids and the failed ones with their errors. A key's rows after a
         failed one are neither, nor are those ``runs_to_publish`` left out: they stay for a later
         batch, behind the failed row or the key's published ones.
         """
-        exchanges = {name: await self._exchange(name) for name in {row.exchange for row in rows}}
+        exists = {name: await self._exchange_exists(name) for name in {r.exchange for r in rows}}
+        assert self._channel is not None
+        channel = await channel_of(self._channel)
         published: list[int] = []
         failed: dict[int, str] = {}
 
         async def publish_in_turn(chain: Iterable[OutboxRow]) -> None:
             for row in chain:
-                error = await self._publish_one(row, exchanges[row.exchange])
+                error = await self._publish_one(channel, row, exists[row.exchange])
                 if error is not None:
                     failed[row.id] = error
                     return
@@ -376,17 +349,19 @@ class Relay:
         )
         return published, failed
 
-    async def _publish_one(self, row: OutboxRow, exchange: AbstractExchange | None) -> str | None:
-        """Publish one row to ``exchange`` (None: the broker has no exchange of the row's name);
-        the reason it failed, or None once the broker confirmed it."""
-        try:
-            message = message_of(row)
-        except (TypeError, ValueError) as exc:
-            return f"unpublishable: {exc}"
-        if exchange is None:
+    async def _publish_one(self, channel: Channel, row: OutboxRow, exists: bool) -> str | None:
+        """Publish one row on ``channel`` (``exists``: the broker has the row's exchange); the
+        reason it failed, or None once the broker confirmed it."""
+        if not exists:
             return f"exchange {row.exchange!r} does not exist"
         try:
-            await exchange.publish(message, row.routing_key, mandatory=True)
+            await publish_confirmed(
+                channel,
+                row.body,
+                properties_of(row),
+                exchange=row.exchange,
+                routing_key=row.routing_key,
+            )
         except (TypeError, ValueError) as exc:  # pamqp refuses a property it cannot encode
             return f"unpublishable: {exc}"
         except aiormq.exceptions.PublishError:
@@ -398,34 +373,33 @@ class Relay:
             return f"nacked by the broker: {exc!r}"
         except aiormq.exceptions.ChannelClosed as exc:
             # e.g. the exchange was deleted since it was checked: check again on the next try
-            self._exchanges.pop(row.exchange, None)
+            self._exchanges.discard(row.exchange)
             raise Retryable(f"the publishing channel was closed: {exc!r}") from exc
         crash_point(RELAY_MID_BATCH)
         return None
 
-    async def _exchange(self, name: str) -> AbstractExchange | None:
-        """The exchange ``name``, or None if the broker does not have it.
+    async def _exchange_exists(self, name: str) -> bool:
+        """Whether the broker has the exchange ``name``.
 
         Publishing to a missing exchange would close the publishing channel and fail the whole
         batch, so existence is checked on a throwaway channel: once per name while it exists,
         once per batch while it does not, and one name at a time (one probe channel at a time,
         however many batches and rows ask).
         """
-        assert self._channel is not None
         if name == "":
-            return self._channel.default_exchange
+            return True
         async with self._probing:
             if name not in self._exchanges:
                 probe = await self.connection.channel(publisher_confirms=False)
                 try:
                     await probe.get_exchange(name, ensure=True)
                 except aiormq.exceptions.ChannelNotFoundEntity:
-                    return None
+                    return False
                 finally:
                     if not probe.is_closed:
                         await probe.close()
-                self._exchanges[name] = await self._channel.get_exchange(name, ensure=False)
-            return self._exchanges[name]
+                self._exchanges.add(name)
+            return True
 
     async def _idle(self, stop: asyncio.Event, seconds: float) -> None:
         """Wait until woken, stopped, a batch in flight ended (its keys are free again), or
