@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika import DeliveryMode, Message
-from aio_pika.abc import AbstractExchange, AbstractIncomingMessage
+from aio_pika.abc import AbstractExchange
 from pamqp.encode import field_table
 
 from worker.core.codec import storable
@@ -35,6 +35,7 @@ from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, 
 from worker.core.handler import Handler
 from worker.errors import HandlerFailed
 from worker.sql.parkings import ParkingRow
+from worker.transport.deliveries import Copyable
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +166,7 @@ def cause_of(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
 
 
-def copy_of(message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> Message:
+def copy_of(message: Copyable, headers: Mapping[str, Any]) -> Message:
     """A persistent copy of ``message`` with ``headers`` (made ``encodable``) instead of its own."""
     return Message(
         body=message.body,
@@ -185,7 +186,7 @@ BROKER_HEADERS = frozenset({"x-delivery-count"})
 """Headers a quorum queue sets on each delivery: a copy leaves them off (its queue counts anew)."""
 
 
-def moved_copy(message: AbstractIncomingMessage) -> Message:
+def moved_copy(message: Copyable) -> Message:
     """A persistent copy of ``message`` as it was published, to put in a queue again through the
     default exchange: a message that came through another exchange keeps the routing key it came
     with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
@@ -197,7 +198,7 @@ def moved_copy(message: AbstractIncomingMessage) -> Message:
 
 async def park(
     dead_letter_exchange: AbstractExchange,
-    message: AbstractIncomingMessage,
+    message: Copyable,
     failure: Failure,
     parking: ParkingRow,
 ) -> None:
@@ -212,7 +213,7 @@ async def park(
 
 async def schedule_retry(
     default_exchange: AbstractExchange,
-    message: AbstractIncomingMessage,
+    message: Copyable,
     failure: Failure,
     *,
     retry_queue: str,
