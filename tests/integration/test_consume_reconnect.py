@@ -2,7 +2,8 @@
 process against the real PostgreSQL and RabbitMQ: a batch whose connection (or channel) is lost
 while its transaction is open commits, and its acks are never sent, neither on the dead channel
 nor on the new one, where the same tags name other deliveries; the broker redelivers the batch
-there, the inbox recognises each as a duplicate, and consumption goes on on the new channel."""
+there, the inbox recognises each as a duplicate, and consumption goes on on the new channel. A
+consumer the broker cancels (its queue deleted) consumes again on the queue declared anew."""
 
 from __future__ import annotations
 
@@ -157,3 +158,30 @@ async def test_a_channel_closed_mid_batch_loses_nothing_and_consumes_on_the_reop
         2 * BATCH
     )
     await _nothing_left(amqp, settings)
+
+
+async def test_a_consumer_the_broker_cancels_consumes_again_on_the_queue_declared_anew(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    release, entered = asyncio.Event(), asyncio.Event()
+    release.set()
+    router = _holding_router(release, entered)
+    broker = urlsplit(settings.amqp_url)
+    async with (
+        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
+        _consumer_through(settings, router, engine, proxy) as consumer,
+    ):
+        # Given a consuming worker
+        assert consumer.consuming
+        # When its work queue is deleted under it (the broker cancels its consumer)
+        channel = await amqp.channel(publisher_confirms=True)
+        await channel.queue_delete(settings.queue)
+
+        # Then it declares the queue again and consumes it: a message sent then is processed
+        async def processed() -> bool:
+            await publish(channel, settings, "again", key="again", routing_key="held")
+            return consumer.telemetry.stats[Count.PROCESSED] >= 1
+
+        await wait_until(processed, timeout=30, interval=0.5)
+        assert consumer.consuming
+        await channel.close()
