@@ -5,6 +5,8 @@ Every scenario gets fresh broker names; the queue is preloaded first (publisher 
 
 a. ``aio-pika consume+ack``: a bare consumer that acks each delivery, no database; prefetch as the
    worker's. The broker-client ceiling.
+a-limit. ``aiormq consume+ack``: (a) on aiormq's ``basic_consume``, no per-message aio-pika
+   objects, acking ``multiple=True`` every ``LIMIT_ACK_EVERY`` deliveries: the broker's limit.
 b. ``naive asyncpg``: the payments example's business write done by hand, one asyncpg transaction
    per message (insert the ledger row, ``ON CONFLICT DO NOTHING``; when it was new, upsert the
    balance), ack after commit; prefetch and concurrency as the worker's.
@@ -91,6 +93,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aio_pika
+import aiormq
 import asyncpg
 from aio_pika.abc import (
     AbstractChannel,
@@ -147,6 +150,7 @@ LATENCY_WARM_UP = 0.5
 """Seconds of offered load before the latency measurement: pool connections, caches."""
 SCENARIOS = (
     "a",
+    "a-limit",
     "b",
     "c",
     "c-sa",
@@ -240,6 +244,7 @@ class Target:
 
 TARGETS = (
     Target("c", "a", 1.0),
+    Target("c", "a-limit", 1.0),
     Target("c", "b", 4.0),
     Target("p1", "c", 0.8),
     Target("p10", "c", 0.5),
@@ -453,6 +458,39 @@ async def bare_consume(bench: Bench) -> Timing:
             return acked >= len(bench.plan.sends)
 
         await consumed.consume(on_message)
+        return await timed(finished, bench.options.timeout)
+    finally:
+        await connection.close()
+        await queue.delete(if_unused=False, if_empty=False)
+
+
+LIMIT_ACK_EVERY = 100
+"""Deliveries (a-limit) settles with one multiple-ack."""
+
+
+async def aiormq_consume(bench: Bench) -> Timing:
+    """(a-limit) (a) on aiormq's ``basic_consume``, one multiple-ack per ``LIMIT_ACK_EVERY``
+    deliveries (and one for the rest at the end)."""
+    queue_name = bench.names("a-limit").queue
+    queue = await bench.channel.declare_queue(queue_name, durable=True)
+    connection = await runner.connect_broker(bench.settings, name="bench-a-limit")
+    try:
+        await preload(bench, bench.channel.default_exchange, queue_name)
+        channel = await connection.channel()
+        await channel.set_qos(prefetch_count=bench.settings.prefetch)
+        underlay = await channel.get_underlay_channel()
+        total, received = len(bench.plan.sends), 0
+
+        async def on_message(message: aiormq.abc.DeliveredMessage) -> None:
+            nonlocal received
+            received += 1
+            if received % LIMIT_ACK_EVERY == 0 or received == total:
+                await underlay.basic_ack(message.delivery_tag or 0, multiple=True)
+
+        async def finished() -> bool:
+            return received >= total
+
+        await underlay.basic_consume(queue_name, on_message)
         return await timed(finished, bench.options.timeout)
     finally:
         await connection.close()
@@ -1125,6 +1163,7 @@ def worker_processes(count: int) -> Scenario:
 
 TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("a", "aio-pika consume+ack, no database", bare_consume),
+    ("a-limit", "aiormq consume+multiple-ack, no db", aiormq_consume),
     ("b", "naive asyncpg, 1 tx per message", naive_consume),
     ("c", "worker, relay off", worker_relay_off),
     ("c-sa", "worker, handler via SQLAlchemy Core", worker_sqlalchemy_handler),

@@ -9,6 +9,7 @@ from tests.integration.support import run_benchmark
 
 RATIOS = (
     "c/a",
+    "c/a-limit",
     "c/b",
     "p1/c",
     "p10/c",

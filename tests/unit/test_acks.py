@@ -1,4 +1,4 @@
-"""The settling rules alone: which acks become one multiple-ack, with stand-in deliveries that
+"""The settling rules alone: which acks become one multiple-ack, with stand-in channels that
 record what they were sent (the consumer tests cover real channels)."""
 
 from __future__ import annotations
@@ -12,22 +12,31 @@ from worker.transport.acks import Settlements
 
 @dataclass(eq=False)
 class Channel:
+    """The part of an aiormq channel that settling uses: it records what it was sent."""
+
     sent: list[tuple[str, int, bool]] = field(default_factory=list)
+    is_closed: bool = False
+
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False) -> None:
+        self.sent.append(("ack", delivery_tag, multiple))
+
+    async def basic_nack(
+        self, delivery_tag: int, multiple: bool = False, requeue: bool = True
+    ) -> None:
+        self.sent.append(("nack", delivery_tag, multiple))
 
 
 @dataclass
 class Delivery:
-    """The part of an aio-pika delivery that settling uses."""
+    """The part of a ``Received`` that settling uses."""
 
     channel: Channel
     delivery_tag: int
     message_id: str = "m"
 
-    async def ack(self, multiple: bool = False) -> None:
-        self.channel.sent.append(("ack", self.delivery_tag, multiple))
-
-    async def nack(self, requeue: bool = True) -> None:
-        self.channel.sent.append(("nack", self.delivery_tag, False))
+    @property
+    def void(self) -> bool:
+        return self.channel.is_closed
 
 
 def deliveries(channel: Channel, *tags: int) -> list[Delivery]:
@@ -91,6 +100,15 @@ class DyingConnection:
     def __post_init__(self) -> None:
         self.slots = asyncio.Semaphore(self.room)
 
+    is_closed = False  # (as aiormq's, it fails what it was given to write instead)
+
+    async def basic_ack(self, delivery_tag: int, multiple: bool = False) -> None:
+        if self.closed.is_set():
+            raise ConnectionError("closed")
+        await self.slots.acquire()  # (never released: nothing is written)
+        await self.closed.wait()
+        raise ConnectionError("closed while queued")
+
 
 @dataclass
 class QueuedDelivery:
@@ -98,12 +116,9 @@ class QueuedDelivery:
     delivery_tag: int
     message_id: str = "m"
 
-    async def ack(self, multiple: bool = False) -> None:
-        if self.channel.closed.is_set():
-            raise ConnectionError("closed")
-        await self.channel.slots.acquire()  # (never released: nothing is written)
-        await self.channel.closed.wait()
-        raise ConnectionError("closed while queued")
+    @property
+    def void(self) -> bool:
+        return self.channel.is_closed
 
 
 async def test_acks_on_a_connection_that_dies_end_and_hold_up_nothing() -> None:
@@ -198,3 +213,30 @@ async def test_a_delivery_received_late_is_no_longer_taken_for_dropped() -> None
     assert channel.sent == []  # 1 and 2 were received: 3 and 4 wait for them
     await settlements.ack([d[1], d[2]])  # type: ignore[list-item]
     assert channel.sent == [("ack", 4, True)]
+
+
+async def test_a_delivery_is_never_settled_twice() -> None:
+    # Given 1 acked and 2 requeued
+    channel, settlements = Channel(), Settlements()
+    first, second = deliveries(channel, 1, 2)
+    await settlements.ack([first])  # type: ignore[list-item]
+    await settlements.requeue(second)  # type: ignore[arg-type]
+    # When either is settled again, Then nothing more is sent (the broker would close the
+    # channel for an unknown tag)
+    await settlements.ack([first, second])  # type: ignore[list-item]
+    await settlements.reject(first)  # type: ignore[arg-type]
+    assert channel.sent == [("ack", 1, False), ("nack", 2, False)]
+
+
+async def test_deliveries_of_a_closed_channel_are_never_settled() -> None:
+    # Given deliveries received on a channel that then closed, and a new channel's with the
+    # same tags
+    old, new, settlements = Channel(), Channel(), Settlements(hold=10)
+    stale = receiving(old, settlements, 1, 2, 3)
+    old.is_closed = True
+    fresh = receiving(new, settlements, 1, 2)
+    # When all of them commit, Then only the new channel's are acked, on the new channel
+    await settlements.ack([*stale, *fresh])  # type: ignore[list-item]
+    await settlements.requeue(stale[0])  # type: ignore[arg-type]
+    assert old.sent == []
+    assert new.sent == [("ack", 2, True)]

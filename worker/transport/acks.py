@@ -16,10 +16,12 @@ their own: a later run goes on through them), never past a delivery the client d
 other committed delivery is acked on its own. An ack is still sent only after the commit;
 holding it only delays it, never past the settling of what is below it.
 
-Settlements are issued one at a time, in order, each after the last was written, so none
-overtakes another. (Not together: the client's write queue is bounded, and on a connection that
-dies with settlements still queued, one waiting for room there would wait for ever, holding up
-every settlement after it.)
+Settlements go out on the aiormq channel a delivery came on (``basic.ack``/``basic.nack``), and
+each delivery is settled once: a second settlement of a tag is dropped here (on the wire the
+broker would close the channel for it). Settlements are issued one at a time, in order, each
+after the last was written, so none overtakes another. (Not together: the client's write queue
+is bounded, and on a connection that dies with settlements still queued, one waiting for room
+there would wait for ever, holding up every settlement after it.)
 """
 
 from __future__ import annotations
@@ -31,9 +33,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from aio_pika.abc import AbstractIncomingMessage
-
 from worker.telemetry import Count, Telemetry
+from worker.transport.deliveries import Received
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,12 @@ class _Channel:
 
     floor: int = 1
     above: set[int] = field(default_factory=set)
-    held: dict[int, AbstractIncomingMessage] = field(default_factory=dict)
+    held: dict[int, Received] = field(default_factory=dict)
     received: int = 0
     dropped: set[int] = field(default_factory=set)
+
+    def is_settled(self, tag: int) -> bool:
+        return tag < self.floor or tag in self.above or tag in self.held
 
     def settled(self, tag: int) -> None:
         self.above.add(tag)
@@ -96,46 +100,44 @@ class Settlements:
         self._hold = hold
         self._telemetry = Telemetry() if telemetry is None else telemetry
 
-    def received(self, message: AbstractIncomingMessage) -> None:
+    def received(self, message: Received) -> None:
         """Note that the consumer received ``message`` (and will settle it)."""
-        channel = _channel_of(message)
-        if channel is not None and message.delivery_tag is not None:
-            state = self._channels.get(channel)
+        if not message.void:
+            state = self._channels.get(message.channel)
             if state is None:  # (not setdefault: that would build a _Channel per delivery)
-                state = self._channels[channel] = _Channel()
+                state = self._channels[message.channel] = _Channel()
             state.arrived(message.delivery_tag)
 
-    async def ack(self, messages: Iterable[AbstractIncomingMessage]) -> int:
+    async def ack(self, messages: Iterable[Received]) -> int:
         """Ack ``messages`` (all committed): the run from the channel's lowest unsettled tag
         with one multiple-ack, the others held or one by one. Returns how many multiple-acks it
         sent."""
         sent = 0
         async with self._issuing:
-            by_channel: dict[Any, dict[int, AbstractIncomingMessage]] = {}
-            void: list[AbstractIncomingMessage] = []
+            by_channel: dict[Any, dict[int, Received]] = {}
+            void: list[Received] = []
             for message in messages:
-                channel = _channel_of(message)
-                if channel is None or message.delivery_tag is None:
+                if message.void:
                     void.append(message)
                     continue
-                by_channel.setdefault(channel, {})[message.delivery_tag] = message
+                by_channel.setdefault(message.channel, {})[message.delivery_tag] = message
             if void:
                 _void(void)
             for channel, ready in by_channel.items():
                 state = self._channels.setdefault(channel, _Channel())
-                state.held.update(ready)
+                state.held.update(_unsettled(state, ready))
                 sent += await self._ack_held(state)
             self._forget_closed()
         return sent
 
-    async def ack_one(self, message: AbstractIncomingMessage) -> None:
+    async def ack_one(self, message: Received) -> None:
         await self.ack([message])
 
-    async def requeue(self, message: AbstractIncomingMessage) -> None:
+    async def requeue(self, message: Received) -> None:
         """Return ``message`` to its queue (``basic.nack`` with requeue)."""
         await self._nack(message, requeue=True)
 
-    async def reject(self, message: AbstractIncomingMessage) -> None:
+    async def reject(self, message: Received) -> None:
         """Hand ``message`` to the broker's dead-lettering (``basic.nack`` without requeue): the
         work queue's dead-letter exchange parks it as it is, with the broker's ``x-death``."""
         await self._nack(message, requeue=False)
@@ -147,15 +149,20 @@ class Settlements:
             for state in list(self._channels.values()):
                 await self._ack_alone(state, len(state.held))
 
-    async def _nack(self, message: AbstractIncomingMessage, *, requeue: bool) -> None:
+    async def _nack(self, message: Received, *, requeue: bool) -> None:
         async with self._issuing:
-            channel = _channel_of(message)
-            state = None
-            if channel is not None and message.delivery_tag is not None:
-                state = self._channels.setdefault(channel, _Channel())
-                state.settled(message.delivery_tag)
-            await _issue(message.nack(requeue=requeue))
-            if state is not None and state.held:  # it may have been what they waited for
+            if message.void:
+                _void([message])
+                return
+            state = self._channels.setdefault(message.channel, _Channel())
+            if state.is_settled(message.delivery_tag):
+                _settled_twice(message)
+                return
+            state.settled(message.delivery_tag)
+            await _issue(
+                message.channel.basic_nack(message.delivery_tag, multiple=False, requeue=requeue)
+            )
+            if state.held:  # it may have been what they waited for
                 await self._ack_held(state)
 
     async def _ack_held(self, state: _Channel) -> int:
@@ -169,7 +176,7 @@ class Settlements:
             for tag in run:
                 state.settled(tag)
                 del state.held[tag]
-            await _issue(last.ack(multiple=True) if len(run) > 1 else last.ack())
+            await _issue(last.channel.basic_ack(last.delivery_tag, multiple=len(run) > 1))
             sent = int(len(run) > 1)
             self._telemetry.count(Count.MULTIPLE_ACKS, sent)
         if state.held and not state.may_wait():
@@ -191,29 +198,37 @@ class Settlements:
         for tag, _ in alone:
             state.settled(tag)
             del state.held[tag]
-        for _, message in alone:
-            await _issue(message.ack())
+        for tag, message in alone:
+            await _issue(message.channel.basic_ack(tag, multiple=False))
 
 
-def channel_closed(message: AbstractIncomingMessage) -> bool:
+def channel_closed(message: Received) -> bool:
     """Whether the channel ``message`` came on has closed: it can no longer be settled, and the
     broker delivers it again."""
-    return _channel_of(message) is None
+    return message.void
 
 
-def _channel_of(message: AbstractIncomingMessage) -> Any:
-    """The AMQP channel ``message`` came on, or None once that channel has closed."""
-    try:
-        return message.channel
-    except Exception:  # aio-pika raises ChannelInvalidStateError for a closed channel
-        return None
+def _unsettled(state: _Channel, ready: dict[int, Received]) -> dict[int, Received]:
+    """``ready`` without the deliveries settled (or held) before, each named in a warning."""
+    twice = [tag for tag in ready if state.is_settled(tag)]
+    for tag in twice:
+        _settled_twice(ready.pop(tag))
+    return ready
+
+
+def _settled_twice(message: Received) -> None:
+    log.warning(
+        "message %s (delivery %d) was settled before; not settling it again",
+        message.message_id,
+        message.delivery_tag,
+    )
 
 
 VOID_IDS_SHOWN = 5
 """Message ids a warning about acks on a closed channel names (one line per batch, not per ack)."""
 
 
-def _void(messages: list[AbstractIncomingMessage]) -> None:
+def _void(messages: list[Received]) -> None:
     ids = ", ".join(str(message.message_id) for message in messages[:VOID_IDS_SHOWN])
     more = f" and {len(messages) - VOID_IDS_SHOWN} more" if len(messages) > VOID_IDS_SHOWN else ""
     log.warning(

@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 
-from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, logs, tracing
@@ -49,6 +49,7 @@ from worker.settings import Settings
 from worker.telemetry import Count, Telemetry
 from worker.transport.acks import Settlements, channel_closed
 from worker.transport.copies import CopyPublisher
+from worker.transport.deliveries import Received
 from worker.transport.failures import Failures
 from worker.transport.pause import PauseGate
 from worker.transport.streak import DeadLetterStreak
@@ -58,14 +59,14 @@ from worker.transport.topology import Topology
 log = logging.getLogger(__name__)
 
 
-def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
-    """The transport-neutral facts of an aio-pika delivery.
+def delivery_from_amqp(message: Received) -> Delivery:
+    """The transport-neutral facts of a delivery taken from the broker.
 
     A message that came through the default exchange (back from a delayed retry, or replayed
     from the DLQ) is routed by the routing key it was first published with.
     """
-    headers = dict(message.headers or {})
-    routing_key = message.routing_key or ""
+    headers = dict(message.headers)
+    routing_key = message.routing_key
     original = headers.get(ROUTING_KEY_HEADER)
     if isinstance(original, bytes):
         original = original.decode("utf-8", "replace")
@@ -78,8 +79,8 @@ def delivery_from_amqp(message: AbstractIncomingMessage) -> Delivery:
         message_id=message.message_id,
         correlation_id=message.correlation_id,
         content_type=message.content_type,
-        exchange=message.exchange or "",
-        redelivered=bool(message.redelivered),
+        exchange=message.exchange,
+        redelivered=message.redelivered,
     )
 
 
@@ -109,7 +110,7 @@ class Consumer:
         self.engine = engine
         self.connection = connection
         self.settlements = Settlements(hold=self.ack_hold, telemetry=self.telemetry)
-        self._pending: list[AbstractIncomingMessage] = []
+        self._pending: list[Received] = []
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -217,7 +218,7 @@ class Consumer:
         that could not resume), so that the process does not run half-alive."""
         await first(stop.wait(), self._failure, self.gate.broken)
 
-    async def _on_message(self, message: AbstractIncomingMessage) -> None:
+    def _on_message(self, message: Received) -> None:
         self.settlements.received(message)
         self._pending.append(message)
         self._arrived.set()
@@ -249,13 +250,13 @@ class Consumer:
                 return
             await self._run(self._next(size))
 
-    def _next(self, size: int) -> list[AbstractIncomingMessage]:
+    def _next(self, size: int) -> list[Received]:
         batch, self._pending[:size] = self._pending[:size], []
         if not self._pending:
             self._arrived.clear()
         return batch
 
-    async def _run(self, batch: list[AbstractIncomingMessage]) -> None:
+    async def _run(self, batch: list[Received]) -> None:
         if not batch:
             return
         task = asyncio.create_task(self.handle_batch(batch))
@@ -269,7 +270,7 @@ class Consumer:
             if not self._failure.done():
                 self._failure.set_exception(taker.exception())  # type: ignore[arg-type]
 
-    async def handle_batch(self, messages: list[AbstractIncomingMessage]) -> None:
+    async def handle_batch(self, messages: list[Received]) -> None:
         """Process deliveries to their end, those that can share one in one transaction.
 
         The deliveries that pass their checks are processed together
@@ -300,9 +301,7 @@ class Consumer:
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
-    async def _process_together(
-        self, together: list[tuple[AbstractIncomingMessage, Envelope]]
-    ) -> None:
+    async def _process_together(self, together: list[tuple[Received, Envelope]]) -> None:
         envelopes = [envelope for _, envelope in together]
         handlers = {envelope.handler.name for envelope in envelopes}
         try:
@@ -350,7 +349,7 @@ class Consumer:
             for message, envelope in after.alone:
                 await self._process_alone(message, envelope)
 
-    def _handler_name(self, message: AbstractIncomingMessage) -> str | None:
+    def _handler_name(self, message: Received) -> str | None:
         """The name of the handler of ``message``'s routing key, if one is registered."""
         handler = self.router.find(delivery_from_amqp(message).routing_key)
         return handler.name if handler is not None else None
@@ -374,7 +373,7 @@ class Consumer:
             max_depth=self.settings.max_json_depth,
         )
 
-    async def _process_alone(self, message: AbstractIncomingMessage, envelope: Envelope) -> None:
+    async def _process_alone(self, message: Received, envelope: Envelope) -> None:
         """One checked delivery in a unit of work of its own (a workflow's run, or one
         transaction), retried in process while it fails transiently."""
         if self.paused:  # (after a failed batch, the database may be what failed)

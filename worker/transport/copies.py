@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import aiormq.exceptions
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 
 from worker import logs
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Envelope
@@ -30,6 +30,7 @@ from worker.telemetry import Count, Telemetry
 from worker.transport import dead_letters
 from worker.transport.acks import Settlements
 from worker.transport.dead_letters import Failure
+from worker.transport.deliveries import Received
 from worker.transport.pause import PauseGate
 from worker.transport.streak import DeadLetterStreak
 from worker.transport.subscription import Subscription
@@ -49,7 +50,7 @@ class FailureCopy:
     """The copy (DLQ or delayed-retry) a failed delivery, ``message``, is turned into, for
     ``reason``, sent by ``publish`` (``envelope`` None when the delivery failed its checks)."""
 
-    message: AbstractIncomingMessage
+    message: Received
     envelope: Envelope | None
     failure: Failure
     reason: Reason
@@ -71,7 +72,7 @@ async def _confirmed(publishes: Iterable[Awaitable[object]]) -> list[Exception |
     return [outcome if isinstance(outcome, Exception) else None for outcome in outcomes]
 
 
-def _identity(message: AbstractIncomingMessage) -> tuple[object, ...]:
+def _identity(message: Received) -> tuple[object, ...]:
     """What tells one message from another across its redeliveries (tags change)."""
     headers = message.headers or {}
     return (
@@ -107,7 +108,7 @@ class CopyPublisher:
 
     def dlq_copy(
         self,
-        message: AbstractIncomingMessage,
+        message: Received,
         envelope: Envelope | None,
         failure: Failure,
         reason: Reason,
@@ -125,7 +126,7 @@ class CopyPublisher:
 
     @staticmethod
     def retry_copy(
-        message: AbstractIncomingMessage,
+        message: Received,
         envelope: Envelope | None,
         failure: Failure,
         retry_queue: str,
@@ -137,13 +138,11 @@ class CopyPublisher:
 
         return FailureCopy(message, envelope, failure, Reason.RETRY_FAILED, publish)
 
-    async def requeue(self, message: AbstractIncomingMessage, handler: str | None) -> None:
+    async def requeue(self, message: Received, handler: str | None) -> None:
         """Return ``message`` to the queue untouched (a fault that is not the message's)."""
         await self.requeue_all([(message, handler)])
 
-    async def requeue_all(
-        self, returned: Sequence[tuple[AbstractIncomingMessage, str | None]]
-    ) -> None:
+    async def requeue_all(self, returned: Sequence[tuple[Received, str | None]]) -> None:
         """Return each delivery (with its handler's name, for the tally) to the queue untouched.
 
         A quorum queue with a delivery limit counts a return as a failed delivery: pauses
@@ -239,9 +238,7 @@ class CopyPublisher:
         )
         await self._reject_to_broker(message, failure, reason)
 
-    async def _reject_to_broker(
-        self, message: AbstractIncomingMessage, failure: Failure, reason: Reason
-    ) -> None:
+    async def _reject_to_broker(self, message: Received, failure: Failure, reason: Reason) -> None:
         """Let the work queue's dead-letter exchange park ``message`` as it is (``x-death``)."""
         self.telemetry.count(Count.REJECTED_TO_BROKER)
         self.streak.dead_lettered(failure.handler, reason)

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aio_pika import DeliveryMode, Message
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage
+from aio_pika.abc import AbstractChannel
 from pamqp.commands import Basic
 from pamqp.encode import field_table
 
@@ -36,6 +36,7 @@ from worker.core.envelope import ATTEMPTS_HEADER, ROUTING_KEY_HEADER, Delivery, 
 from worker.core.handler import Handler
 from worker.errors import HandlerFailed
 from worker.sql.parkings import ParkingRow
+from worker.transport.deliveries import Copyable
 from worker.transport.publisher import persistent, publish_on
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def cause_of(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
 
 
-def copy_of(message: AbstractIncomingMessage, headers: Mapping[str, Any]) -> Message:
+def copy_of(message: Copyable, headers: Mapping[str, Any]) -> Message:
     """A persistent copy of ``message`` with ``headers`` (made ``encodable``) instead of its own."""
     return Message(
         body=message.body,
@@ -187,14 +188,14 @@ BROKER_HEADERS = frozenset({"x-delivery-count"})
 """Headers a quorum queue sets on each delivery: a copy leaves them off (its queue counts anew)."""
 
 
-def moved_copy(message: AbstractIncomingMessage) -> Message:
+def moved_copy(message: Copyable) -> Message:
     """A persistent copy of ``message`` as it was published, to put in a queue again through the
     default exchange: a message that came through another exchange keeps the routing key it came
     with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
     return copy_of(message, moved_headers(message))
 
 
-def moved_headers(message: AbstractIncomingMessage) -> dict[str, Any]:
+def moved_headers(message: Copyable) -> dict[str, Any]:
     """The headers of ``moved_copy(message)``."""
     headers = {k: v for k, v in (message.headers or {}).items() if k not in BROKER_HEADERS}
     if message.exchange:
@@ -202,9 +203,7 @@ def moved_headers(message: AbstractIncomingMessage) -> dict[str, Any]:
     return headers
 
 
-def copy_properties(
-    message: AbstractIncomingMessage, headers: Mapping[str, Any]
-) -> Basic.Properties:
+def copy_properties(message: Copyable, headers: Mapping[str, Any]) -> Basic.Properties:
     """The properties of ``copy_of(message, headers)``, built without its ``Message``."""
     return persistent(
         message_id=message.message_id,
@@ -221,7 +220,7 @@ def copy_properties(
 async def park(
     channel: AbstractChannel,
     dead_letter_exchange: str,
-    message: AbstractIncomingMessage,
+    message: Copyable,
     failure: Failure,
     parking: ParkingRow,
 ) -> None:
@@ -238,7 +237,7 @@ async def park(
 
 async def schedule_retry(
     channel: AbstractChannel,
-    message: AbstractIncomingMessage,
+    message: Copyable,
     failure: Failure,
     *,
     retry_queue: str,
@@ -254,7 +253,7 @@ async def schedule_retry(
     )
 
 
-async def move(channel: AbstractChannel, message: AbstractIncomingMessage, *, queue: str) -> None:
+async def move(channel: AbstractChannel, message: Copyable, *, queue: str) -> None:
     """Publish ``moved_copy(message)`` to ``queue`` through the default exchange, and wait for
     the broker's confirm."""
     properties = copy_properties(message, moved_headers(message))

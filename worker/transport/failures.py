@@ -16,7 +16,6 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from aio_pika.abc import AbstractIncomingMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, logs
@@ -41,6 +40,7 @@ from worker.sql.parkings import ParkingRow
 from worker.telemetry import Telemetry
 from worker.transport.copies import CopyPublisher
 from worker.transport.dead_letters import Failure
+from worker.transport.deliveries import Received
 from worker.transport.pause import PauseGate
 from worker.transport.streak import DeadLetterStreak
 
@@ -52,7 +52,7 @@ class FailedDelivery:
     """A delivery that failed, on its way to where the policy sends it (``envelope`` None when
     it failed its checks)."""
 
-    message: AbstractIncomingMessage
+    message: Received
     envelope: Envelope | None
     failure: Failure
 
@@ -92,7 +92,7 @@ class Failures:
 
     async def delivery_failed(
         self,
-        message: AbstractIncomingMessage,
+        message: Received,
         delivery: Delivery,
         envelope: Envelope | None,
         exc: Exception,
@@ -110,7 +110,7 @@ class Failures:
             await self._carry_out(failed, decision, exc)
 
     async def failed_in_committed_batch(
-        self, failures: Sequence[tuple[AbstractIncomingMessage, Envelope, Exception]]
+        self, failures: Sequence[tuple[Received, Envelope, Exception]]
     ) -> None:
         """Carry out the policy's decision for each (delivery, envelope, error) of a batch whose
         transaction committed after they failed in it, each failed for good, with distinct keys.
@@ -134,7 +134,7 @@ class Failures:
 
     def _failed_delivery(
         self,
-        message: AbstractIncomingMessage,
+        message: Received,
         delivery: Delivery,
         envelope: Envelope | None,
         exc: Exception,
