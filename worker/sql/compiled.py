@@ -42,14 +42,15 @@ _FAST_STATEMENTS = (Select, Insert, Update, Delete)
 @dataclass(frozen=True, slots=True)
 class Plan:
     """A compiled statement shape: its driver SQL, the bind names in ``$n`` order, the binds'
-    type processors, and its result's keys (``None``: it returns no rows, only a row count)."""
+    type processors, and its result's keys (``None``: it returns no rows, only a row count)
+    with their metadata, shared by its results as SQLAlchemy shares a compiled statement's."""
 
     sql: str
     compiled: SQLCompiler
     positions: tuple[str, ...]
     processors: Mapping[str, Callable[[Any], Any]]
     keys: tuple[str, ...] | None
-    extra: tuple[tuple[Any, ...], ...]
+    metadata: SimpleResultMetaData
 
 
 _plans: dict[Any, Plan | None] = {}
@@ -122,7 +123,7 @@ def _compile(
         positions=tuple(compiled.positiontup),
         processors=cast(dict[str, Callable[[Any], Any]], dict(processors)),
         keys=keys,
-        extra=extra,
+        metadata=SimpleResultMetaData(keys or (), extra=extra),
     )
 
 
@@ -154,8 +155,7 @@ class FastResult(IteratorResult[Any]):
     a statement without rows is a closed result, as SQLAlchemy's is."""
 
     def __init__(self, found: Plan, rows: Sequence[Any], rowcount: int) -> None:
-        metadata = SimpleResultMetaData(found.keys or (), extra=found.extra)
-        super().__init__(metadata, iter(rows) if found.keys is not None else _NoRows())
+        super().__init__(found.metadata, iter(rows) if found.keys is not None else _NoRows())
         self.rowcount = rowcount
         self.returns_rows = found.keys is not None
         if found.keys is None:
