@@ -6,6 +6,7 @@ statement or handed it back to SQLAlchemy."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -16,6 +17,7 @@ from sqlalchemy import (
     JSON,
     Column,
     Enum,
+    Integer,
     MetaData,
     Numeric,
     Table,
@@ -54,6 +56,14 @@ things = Table(
     Column("color", Enum(Color, native_enum=False)),
     Column("price", Numeric(10, 2)),
 )
+counters = Table(
+    "counters",
+    scratch,
+    Column("id", Integer, primary_key=True),
+    Column("name", Text),
+    Column("n", Integer, default=lambda: 41 + 1),
+)
+COUNTERS = "CREATE TEMP TABLE counters (id serial PRIMARY KEY, name text, n int) ON COMMIT DROP"
 THINGS = (
     "CREATE TEMP TABLE things (id text PRIMARY KEY, doc json, color varchar(4),"
     " price numeric(10, 2)) ON COMMIT DROP"
@@ -86,6 +96,7 @@ async def both(engine: AsyncEngine) -> AsyncIterator[tuple[AsyncConnection, Hand
         fast = HandlerConnection(conn, await in_transaction(conn))
         await conn.execute(text(THINGS))
         await conn.execute(text(RAISE))
+        await conn.execute(text(COUNTERS))
         await conn.execute(
             insert(accounts),
             [{"account": f"a{i}", "balance_cents": i * 10} for i in range(5)],
@@ -291,3 +302,41 @@ async def test_the_orm_session_sees_what_it_added(
         assert entity.balance_cents == 8
     finally:
         await ctx.close()
+
+
+async def test_generated_keys_python_defaults_and_missing_values_are_sqlalchemys(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a table whose key the database generates and with a Python-side default
+    slow, fast = both
+    # When a row is inserted on the handler's connection
+    inserted = await fast.execute(insert(counters).values(name="c"))
+    # Then SQLAlchemy ran it: the generated key and the default are there
+    assert not isinstance(inserted, FastResult)
+    assert inserted.inserted_primary_key is not None
+    [key] = inserted.inserted_primary_key
+    assert (await slow.execute(select(counters.c.n).where(counters.c.id == key))).scalar() == 42
+    # And a statement missing a bind value fails as SQLAlchemy fails it
+    needs = select(accounts.c.account).where(accounts.c.account == bindparam("name"))
+    caught = []
+    for conn in both:
+        with pytest.raises(sqlalchemy.exc.SQLAlchemyError) as raised:
+            await conn.execute(needs)
+        caught.append(type(raised.value))
+    assert caught[0] is caught[1]
+
+
+async def test_statements_sent_at_once_run_one_after_another(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given several fast-path statements and one of SQLAlchemy's, started together
+    _, fast = both
+    reads = [
+        select(accounts.c.balance_cents).where(accounts.c.account == f"a{i}") for i in range(5)
+    ]
+    # When they are awaited together on the handler's connection
+    results = await asyncio.gather(
+        *(fast.execute(read) for read in reads), fast.execute(text("SELECT 1"))
+    )
+    # Then each ran (one at a time on the one connection) and answered its own rows
+    assert [r.scalar_one() for r in results] == [0, 10, 20, 30, 40, 1]

@@ -28,17 +28,27 @@ from worker.sql import compiled
 class HandlerConnection(AsyncConnection):
     """``conn`` (in a transaction whose asyncpg connection is ``driver``) for handlers."""
 
-    __slots__ = ("_fast", "driver")
+    __slots__ = ("_fast", "_mutex", "driver")
 
     def __init__(self, conn: AsyncConnection, driver: asyncpg.Connection) -> None:
         super().__init__(conn.engine, conn.sync_connection)
         self.driver = driver
-        dispatch = conn.sync_connection.dispatch if conn.sync_connection is not None else None
-        self._fast = dispatch is not None and not (
-            dispatch.before_execute
-            or dispatch.after_execute
-            or dispatch.before_cursor_execute
-            or dispatch.after_cursor_execute
+        sync = conn.sync_connection
+        pooled = getattr(sync, "_dbapi_connection", None)
+        # SQLAlchemy's adapter sends one statement at a time on the driver: so does the fast path
+        self._mutex: Any = getattr(
+            getattr(pooled, "dbapi_connection", None), "_execute_mutex", None
+        )
+        dispatch = sync.dispatch if sync is not None else None
+        self._fast = (
+            dispatch is not None
+            and self._mutex is not None
+            and not (
+                dispatch.before_execute
+                or dispatch.after_execute
+                or dispatch.before_cursor_execute
+                or dispatch.after_cursor_execute
+            )
         )
 
     async def execute(
@@ -70,9 +80,13 @@ class HandlerConnection(AsyncConnection):
         if found is None:
             return None
         plan, cache_key = found
-        args = compiled.arguments(plan, cache_key, parameters)
         try:
-            return await compiled.run(plan, args, self.driver)
+            args = compiled.arguments(plan, cache_key, parameters)
+        except Exception:
+            return None  # a missing or unbindable value: SQLAlchemy's path raises it its way
+        try:
+            async with self._mutex:
+                return await compiled.run(plan, args, self.driver)
         except Exception as exc:
             error = compiled.as_sqlalchemy_error(
                 exc, plan, args, dialect, hide=sync.engine.hide_parameters
