@@ -1,14 +1,18 @@
 """The handler's ``ctx.connection`` and ``ctx.session``: SQLAlchemy's own, with a fast path for
 the Core statements that ``worker.sql.compiled`` can run exactly as SQLAlchemy would.
 
-The invariant: a handler sees no difference but speed. ``HandlerConnection`` is an
+The invariant: a handler sees the same SQL sent, rows, row counts and exceptions either way
+(the one difference: a fast-path result is a ``Result`` with ``rowcount``, not a ``CursorResult``
+with ``inserted_primary_key``; an insert whose key the database generates never takes the fast
+path, so that accessor keeps working where it means something). ``HandlerConnection`` is an
 ``AsyncConnection`` on the unit of work's connection (same transaction, same savepoints);
 ``execute`` (and ``scalar``, ``scalars``, which call it) sends a statement the fast path covers
 on the transaction's asyncpg connection and returns a ``Result`` with the same rows, keys and
 ``rowcount``; everything else, and everything but ``execute``, is SQLAlchemy's unchanged.
 ``HandlerSession.execute`` does the same for a Core statement when the session has nothing to
 flush (so autoflush would send nothing) and no ``do_orm_execute`` hook. Statement hooks on the
-engine (``before_execute``, ``before_cursor_execute`` …) turn the fast path off.
+engine (``before_execute``, ``before_cursor_execute`` …), execution options on the connection and
+the engine's ``echo`` turn the fast path off.
 """
 
 from __future__ import annotations
@@ -71,8 +75,8 @@ class HandlerConnection(AsyncConnection):
         """The result of ``statement`` run on the fast path, or None when it does not apply
         (then nothing was sent)."""
         sync = self.sync_connection
-        if not self._fast or sync is None or sync._execution_options:
-            return None
+        if not self._fast or sync is None or sync._execution_options or sync._echo:
+            return None  # (statement events, execution options, echo: SQLAlchemy's path)
         if not sync.in_transaction() or not self.driver.is_in_transaction():
             return None
         dialect = sync.dialect
