@@ -15,6 +15,7 @@ from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 
+from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.envelope import Envelope
 from worker.core.events import Event
 from worker.sql.rows import OutboxMessage
@@ -31,7 +32,10 @@ class _Session:
     def session(self) -> AsyncSession:
         """An ORM session bound to the unit of work's transaction; it cannot commit on its own."""
         if self._session is None:
-            self._session = AsyncSession(
+            session = (
+                HandlerSession if isinstance(self.connection, HandlerConnection) else AsyncSession
+            )
+            self._session = session(
                 bind=self.connection,
                 expire_on_commit=False,
                 join_transaction_mode="rollback_only",

@@ -31,6 +31,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 from worker.core import workflows
 from worker.core.claims import Settled, claim_all, settled_against
 from worker.core.config import UnitOfWorkConfig
+from worker.core.connection import HandlerConnection
 from worker.core.contention import TAKE_TURNS, Contention
 from worker.core.context import Batch, Context
 from worker.core.envelope import Envelope
@@ -94,9 +95,12 @@ async def process_batch(
         claims = await claim_all(driver, firsts)
         deadline.reschedule(None)  # the handlers' time is theirs
         runnable = [e for e in firsts if claims[e.inbox_key] is None]
-        contexts = [Context(conn, e, config.exchange, asyncpg=driver) for e in runnable]
+        handlers_conn = HandlerConnection(conn, driver)
+        contexts = [Context(handlers_conn, e, config.exchange, asyncpg=driver) for e in runnable]
         try:
-            isolation = _Isolation(conn, driver, config.contention, enabled=len(contexts) > 1)
+            isolation = _Isolation(
+                handlers_conn, driver, config.contention, enabled=len(contexts) > 1
+            )
             results = await isolation.run(contexts)
             done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
             events = [m for ctx in done for m in ctx.outbox]

@@ -28,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker.core.claims import claim, duplicate
 from worker.core.codec import to_jsonable
 from worker.core.config import UnitOfWorkConfig
+from worker.core.connection import HandlerConnection
 from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.outcomes import Outcome
@@ -93,7 +94,13 @@ class Workflow:
             if not await inbox.hold_workflow(conn, handler, self.key, self.owner):
                 raise WorkflowBusy(f"workflow {self.key!r} was taken over by another delivery")
             driver = await in_transaction(conn)
-            ctx = Context(conn, self.envelope, self.config.exchange, step=name, asyncpg=driver)
+            ctx = Context(
+                HandlerConnection(conn, driver),
+                self.envelope,
+                self.config.exchange,
+                step=name,
+                asyncpg=driver,
+            )
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()

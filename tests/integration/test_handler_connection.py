@@ -1,0 +1,342 @@
+"""``ctx.connection`` / ``ctx.session``'s fast path (``core.connection``, ``sql.compiled``) against
+the real PostgreSQL: every statement is run both ways, through SQLAlchemy's own
+``AsyncConnection`` and through ``HandlerConnection``, and both answer the same — rows, keys,
+row counts, exceptions and how the worker classifies them — whether the fast path took the
+statement or handed it back to SQLAlchemy."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import sqlalchemy.exc
+from sqlalchemy import (
+    JSON,
+    Column,
+    Enum,
+    Integer,
+    MetaData,
+    Numeric,
+    Table,
+    Text,
+    bindparam,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.engine import Result
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.orm import registry
+
+from examples.payments.tables import accounts, ledger_entries
+from worker.core.connection import HandlerConnection, HandlerSession
+from worker.core.context import Context
+from worker.errors import classify, is_contention
+from worker.sql.compiled import FastResult
+from worker.sql.driver import in_transaction
+
+
+class Color(enum.Enum):
+    RED = "red"
+    BLUE = "blue"
+
+
+scratch = MetaData()
+things = Table(
+    "things",
+    scratch,
+    Column("id", Text, primary_key=True),
+    Column("doc", JSON),
+    Column("color", Enum(Color, native_enum=False)),
+    Column("price", Numeric(10, 2)),
+)
+counters = Table(
+    "counters",
+    scratch,
+    Column("id", Integer, primary_key=True),
+    Column("name", Text),
+    Column("n", Integer, default=lambda: 41 + 1),
+)
+COUNTERS = "CREATE TEMP TABLE counters (id serial PRIMARY KEY, name text, n int) ON COMMIT DROP"
+THINGS = (
+    "CREATE TEMP TABLE things (id text PRIMARY KEY, doc json, color varchar(4),"
+    " price numeric(10, 2)) ON COMMIT DROP"
+)
+RAISE = (
+    "CREATE FUNCTION pg_temp.raise_state(state text) RETURNS int LANGUAGE plpgsql AS"
+    " $$ BEGIN RAISE EXCEPTION 'raised %', state USING ERRCODE = state; END $$"
+)
+
+
+class Account:
+    """An ORM entity over the payments example's ``accounts``."""
+
+    account: str
+    balance_cents: int
+
+    def __init__(self, account: str, balance_cents: int) -> None:
+        self.account = account
+        self.balance_cents = balance_cents
+
+
+registry().map_imperatively(Account, accounts)
+
+
+@pytest.fixture
+async def both(engine: AsyncEngine) -> AsyncIterator[tuple[AsyncConnection, HandlerConnection]]:
+    """SQLAlchemy's connection and the handler's, in one transaction that is rolled back."""
+    async with engine.connect() as conn:
+        transaction = await conn.begin()
+        fast = HandlerConnection(conn, await in_transaction(conn))
+        await conn.execute(text(THINGS))
+        await conn.execute(text(RAISE))
+        await conn.execute(text(COUNTERS))
+        await conn.execute(
+            insert(accounts),
+            [{"account": f"a{i}", "balance_cents": i * 10} for i in range(5)],
+        )
+        yield conn, fast
+        await transaction.rollback()
+
+
+async def twice(
+    both: tuple[AsyncConnection, HandlerConnection], statement: Any, params: Any = None
+) -> tuple[Result[Any], Result[Any]]:
+    slow, fast = both
+    return await slow.execute(statement, params), await fast.execute(statement, params)
+
+
+READS: dict[str, Callable[[Result[Any]], Any]] = {
+    "first": lambda r: r.first(),
+    "one": lambda r: r.one(),
+    "one_or_none": lambda r: r.one_or_none(),
+    "scalar": lambda r: r.scalar(),
+    "scalar_one": lambda r: r.scalar_one(),
+    "scalar_one_or_none": lambda r: r.scalar_one_or_none(),
+    "scalars": lambda r: r.scalars().all(),
+    "all": lambda r: r.all(),
+    "mappings": lambda r: [dict(m) for m in r.mappings()],
+    "fetchall": lambda r: r.fetchall(),
+    "iteration": lambda r: [tuple(row) for row in r],
+    "keys": lambda r: list(r.keys()),
+    "attributes": lambda r: [(row.account, row.balance_cents) for row in r],
+    "by column": lambda r: [row._mapping[accounts.c.balance_cents] for row in r],
+}
+
+
+@pytest.mark.parametrize("read", READS)
+async def test_each_result_method_answers_as_sqlalchemy(
+    both: tuple[AsyncConnection, HandlerConnection], read: str
+) -> None:
+    # Given a select of one row, and one of several
+    one = select(accounts).where(accounts.c.account == "a3")
+    many = select(accounts.c.account, accounts.c.balance_cents).order_by(accounts.c.account)
+    for statement in (one, many):
+        # When it runs both ways
+        slow, fast = await twice(both, statement)
+        # Then the fast path took it, and each read answers the same (or fails the same)
+        assert isinstance(fast, FastResult)
+        expected = _outcome(READS[read], slow)
+        assert _outcome(READS[read], fast) == expected
+
+
+def _outcome(read: Callable[[Result[Any]], Any], result: Result[Any]) -> Any:
+    try:
+        return read(result)
+    except sqlalchemy.exc.SQLAlchemyError as exc:
+        return type(exc)
+
+
+async def test_returning_and_rowcount_answer_as_sqlalchemy(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given the benchmark's insert … on conflict do nothing returning, built per call
+    def entry(payment_id: str) -> Any:
+        return (
+            pg_insert(ledger_entries)
+            .values(payment_id=payment_id, account="a1", amount_cents=5)
+            .on_conflict_do_nothing()
+            .returning(ledger_entries.c.payment_id)
+        )
+
+    slow, fast = both
+    # When a new row is inserted both ways, then inserted again
+    assert (await slow.execute(entry("s"))).first() == ("s",)
+    new = await fast.execute(entry("f"))
+    assert isinstance(new, FastResult)
+    assert (new.rowcount, new.first()) == (1, ("f",))
+    again = await fast.execute(entry("f"))
+    assert (again.rowcount, again.first()) == (0, None)
+    # Then an update's row count, and its rows (none: a closed result), are SQLAlchemy's
+    raise_all = update(accounts).values(balance_cents=accounts.c.balance_cents + 1)
+    slow_update, fast_update = await twice(both, raise_all)
+    assert isinstance(fast_update, FastResult)
+    assert fast_update.rowcount == slow_update.rowcount == 5
+    for result in (slow_update, fast_update):
+        with pytest.raises(sqlalchemy.exc.ResourceClosedError):
+            result.first()
+    # And parameters given at execute, with bindparams, bind as SQLAlchemy binds them
+    by_name = select(accounts.c.balance_cents).where(accounts.c.account == bindparam("name"))
+    slow_row, fast_row = await twice(both, by_name, {"name": "a2"})
+    assert isinstance(fast_row, FastResult)
+    assert fast_row.scalar_one() == slow_row.scalar_one() == 22
+
+
+async def test_json_enum_and_numeric_columns_read_back_the_same(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a row with a JSON document, an Enum and a Numeric, written on the fast path
+    slow, fast = both
+    await fast.execute(
+        insert(things).values(id="t1", doc={"a": [1, "x"]}, color=Color.BLUE, price="1.50")
+    )
+    # When each column is read back both ways (the fast path may hand some back)
+    for column in (things.c.doc, things.c.color, things.c.price, things.c.id):
+        slow_result, fast_result = await twice(both, select(column))
+        # Then each reads the same value, of the same type
+        expected = slow_result.scalar_one()
+        got = fast_result.scalar_one()
+        assert (got, type(got)) == (expected, type(expected))
+    assert (await slow.execute(select(things.c.color))).scalar_one() is Color.BLUE
+
+
+async def test_what_the_fast_path_does_not_cover_still_runs(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given statements the fast path hands back to SQLAlchemy: text(), IN lists, an ORM select,
+    # executemany, execution options
+    slow, fast = both
+    cases: list[tuple[Any, Any]] = [
+        (text("SELECT account FROM accounts ORDER BY account"), None),
+        (select(accounts.c.account).where(accounts.c.account.in_(["a1", "a2"])), None),
+        (select(Account).where(Account.account == "a1"), None),  # type: ignore[arg-type]
+        (select(accounts.c.account).execution_options(logging_token="x"), None),
+    ]
+    for statement, params in cases:
+        # When they run on the handler's connection
+        result = await fast.execute(statement, params)
+        # Then SQLAlchemy ran them, and they answer as on its own connection
+        assert not isinstance(result, FastResult)
+        assert result.all() == (await slow.execute(statement, params)).all()
+    rows = [{"account": "m1", "balance_cents": 1}, {"account": "m2", "balance_cents": 2}]
+    assert not isinstance(await fast.execute(insert(accounts), rows), FastResult)
+    assert isinstance(fast, AsyncConnection)
+    assert await fast.scalar(select(func.count()).select_from(accounts)) == 7
+
+
+ERRORS = {
+    "unique violation": None,
+    "deadlock": "40P01",
+    "serialization failure": "40001",
+    "undefined table": "42P01",
+}
+
+
+@pytest.mark.parametrize("case", ERRORS)
+async def test_driver_errors_raise_and_classify_as_sqlalchemy(
+    both: tuple[AsyncConnection, HandlerConnection], case: str
+) -> None:
+    # Given a statement that PostgreSQL refuses with the case's SQLSTATE
+    state = ERRORS[case]
+    statement: Any = (
+        insert(accounts).values(account="a1", balance_cents=1)
+        if state is None
+        else select(func.pg_temp.raise_state(state))
+    )
+    caught: list[BaseException] = []
+    for conn in both:
+        # When it runs each way, in a savepoint
+        with pytest.raises(sqlalchemy.exc.DBAPIError) as raised:
+            async with conn.begin_nested():
+                await conn.execute(statement)
+        caught.append(raised.value)
+    # Then both raise the same exception types, classified the same way
+    slow, fast = caught
+    assert type(fast) is type(slow)
+    assert type(fast.orig) is type(slow.orig)  # type: ignore[attr-defined]
+    assert type(fast.__cause__) is type(slow.__cause__)
+    assert type(fast.__cause__.__cause__) is type(slow.__cause__.__cause__)  # type: ignore[union-attr]
+    assert fast.orig.sqlstate == slow.orig.sqlstate  # type: ignore[attr-defined]
+    assert classify(fast) is classify(slow)
+    assert (
+        is_contention(fast)
+        is is_contention(slow)
+        is (case in ("deadlock", "serialization failure"))
+    )
+
+
+async def test_the_orm_session_sees_what_it_added(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a handler's session on the handler's connection
+    _, fast = both
+    ctx = Context(fast, None, "events")  # type: ignore[arg-type]
+    session = ctx.session
+    assert isinstance(session, HandlerSession)
+    try:
+        # When it adds an entity and selects without flushing (autoflush: SQLAlchemy's path)
+        session.add(Account("orm1", 7))
+        pending = await session.execute(
+            select(accounts.c.balance_cents).where(accounts.c.account == "orm1")
+        )
+        assert not isinstance(pending, FastResult)
+        assert pending.scalar_one() == 7
+        # and adds another, flushes, and selects with Core (clean: the fast path)
+        session.add(Account("orm2", 8))
+        await session.flush()
+        flushed = await session.execute(
+            select(accounts.c.balance_cents).where(accounts.c.account == "orm2")
+        )
+        # Then both are seen in the transaction, and by the ORM too
+        assert isinstance(flushed, FastResult)
+        assert flushed.scalar_one() == 8
+        entity = (
+            await session.execute(select(Account).where(Account.account == "orm2"))
+        ).scalar_one()  # type: ignore[arg-type]
+        assert entity.balance_cents == 8
+    finally:
+        await ctx.close()
+
+
+async def test_generated_keys_python_defaults_and_missing_values_are_sqlalchemys(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a table whose key the database generates and with a Python-side default
+    slow, fast = both
+    # When a row is inserted on the handler's connection
+    inserted = await fast.execute(insert(counters).values(name="c"))
+    # Then SQLAlchemy ran it: the generated key and the default are there
+    assert not isinstance(inserted, FastResult)
+    assert inserted.inserted_primary_key is not None
+    [key] = inserted.inserted_primary_key
+    assert (await slow.execute(select(counters.c.n).where(counters.c.id == key))).scalar() == 42
+    # And a statement missing a bind value fails as SQLAlchemy fails it
+    needs = select(accounts.c.account).where(accounts.c.account == bindparam("name"))
+    caught = []
+    for conn in both:
+        with pytest.raises(sqlalchemy.exc.SQLAlchemyError) as raised:
+            await conn.execute(needs)
+        caught.append(type(raised.value))
+    assert caught[0] is caught[1]
+
+
+async def test_statements_sent_at_once_run_one_after_another(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given several fast-path statements and one of SQLAlchemy's, started together
+    _, fast = both
+    reads = [
+        select(accounts.c.balance_cents).where(accounts.c.account == f"a{i}") for i in range(5)
+    ]
+    # When they are awaited together on the handler's connection
+    results = await asyncio.gather(
+        *(fast.execute(read) for read in reads), fast.execute(text("SELECT 1"))
+    )
+    # Then each ran (one at a time on the one connection) and answered its own rows
+    assert [r.scalar_one() for r in results] == [0, 10, 20, 30, 40, 1]
