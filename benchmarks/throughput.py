@@ -1270,7 +1270,7 @@ def report(bench: Bench, elapsed: float) -> str:
     for target in TARGETS:
         top, bottom = rates.get(target.numerator), rates.get(target.denominator)
         name = f"{target.numerator}/{target.denominator}"
-        wanted = f">= {target.at_least:.1f}x" if target.at_least else "(compare)"
+        wanted = f">= {target.at_least:.2f}x" if target.at_least else "(compare)"
         if top is None or bottom is None:
             lines.append(f"{name:<10}{'-':>8}   {wanted:<10} not measured")
             continue
