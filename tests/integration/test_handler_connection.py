@@ -23,8 +23,10 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    delete,
     func,
     insert,
+    literal_column,
     select,
     text,
     update,
@@ -340,3 +342,66 @@ async def test_statements_sent_at_once_run_one_after_another(
     )
     # Then each ran (one at a time on the one connection) and answered its own rows
     assert [r.scalar_one() for r in results] == [0, 10, 20, 30, 40, 1]
+
+
+async def _answer(conn: AsyncConnection, statement: Any) -> Any:
+    """What ``statement`` answers on ``conn`` (keys, rows, mappings, row count, or the error's
+    types), and the accounts after it, in a savepoint rolled back."""
+    savepoint = await conn.begin_nested()
+    try:
+        result = await conn.execute(statement)
+        if result.returns_rows:
+            rows = result.all()
+            answer: Any = (list(result.keys()), rows, [dict(row._mapping) for row in rows])
+        else:
+            answer = result.rowcount
+        after = (await conn.execute(text("SELECT * FROM accounts ORDER BY 1"))).all()
+        return answer, after
+    except sqlalchemy.exc.DBAPIError as exc:
+        return type(exc), type(exc.orig), exc.orig.sqlstate  # type: ignore[union-attr]
+    finally:
+        await savepoint.rollback()
+
+
+STAR_AND_TEXT_COLUMNS: dict[str, Any] = {
+    "*": select(literal_column("*")).select_from(accounts).order_by(accounts.c.account),
+    "text() columns": select(text("account, balance_cents"))
+    .select_from(accounts)
+    .order_by(accounts.c.account),
+    "a literal column of two": select(literal_column("account, balance_cents"))
+    .select_from(accounts)
+    .order_by(accounts.c.account),
+    "returning *": insert(accounts)
+    .values(account="z", balance_cents=1)
+    .returning(literal_column("*")),
+}
+
+
+@pytest.mark.parametrize("case", STAR_AND_TEXT_COLUMNS)
+async def test_star_and_text_columns_are_named_as_sqlalchemy_names_them(
+    both: tuple[AsyncConnection, HandlerConnection], case: str
+) -> None:
+    # Given a statement whose SQL returns other columns than its compiled form lists (a `*`,
+    # a text() or literal column holding several): SQLAlchemy names them from the driver
+    statement = STAR_AND_TEXT_COLUMNS[case]
+    slow, fast = both
+    # When it runs both ways
+    expected, got = await _answer(slow, statement), await _answer(fast, statement)
+    # Then the keys, rows and mappings are SQLAlchemy's (each column, by its own name)
+    assert got == expected
+    assert expected[0][0][:2] == ["account", "balance_cents"]
+
+
+async def test_a_statement_holding_several_commands_is_refused_as_sqlalchemy_refuses_it(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a delete without a bind value whose text() holds a second command
+    # (a handler that builds text() from a message's content)
+    statement = delete(accounts).where(text("account = 'a1'; DELETE FROM accounts"))
+    slow, fast = both
+    # When it runs both ways
+    expected, got = await _answer(slow, statement), await _answer(fast, statement)
+    # Then both refuse it (a prepared statement holds one command), and nothing is deleted
+    assert got == expected
+    assert expected[2] == "42601"
+    assert len((await fast.execute(select(accounts.c.account))).all()) == 5

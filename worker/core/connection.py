@@ -90,7 +90,7 @@ class HandlerConnection(AsyncConnection):
             return None  # a missing or unbindable value: SQLAlchemy's path raises it its way
         try:
             async with self._mutex:
-                return await compiled.run(plan, args, self.driver)
+                return await compiled.run(plan, args, self.driver)  # None: SQLAlchemy's path
         except Exception as exc:
             error = compiled.as_sqlalchemy_error(
                 exc, plan, args, dialect, hide=sync.engine.hide_parameters

@@ -20,6 +20,7 @@ A driver error is raised as SQLAlchemy raises it (its DBAPI translation, then
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -112,6 +113,8 @@ def _compile(
     keys: tuple[str, ...] | None = None
     extra: tuple[tuple[Any, ...], ...] = ()
     if isinstance(statement, Select) or compiled.effective_returning:
+        if not _positional_columns(compiled):
+            return None  # SQLAlchemy matches the driver's columns by name: a ``*``, text()
         entries = compiled._result_columns
         keys = tuple(entry.keyname for entry in entries)
         if len(set(keys)) != len(keys) or not all(_plain(e.type, dialect) for e in entries):
@@ -124,6 +127,20 @@ def _compile(
         processors=cast(dict[str, Callable[[Any], Any]], dict(processors)),
         keys=keys,
         metadata=SimpleResultMetaData(keys or (), extra=extra),
+    )
+
+
+def _positional_columns(compiled: SQLCompiler) -> bool:
+    """True when SQLAlchemy would take the result's columns one to one, in order, from the
+    compiled statement (its ``CursorResultMetaData`` fast case), so long as the driver reports
+    as many columns: not a ``*`` or a ``text()`` column, whose columns it names from the
+    driver's description."""
+    return bool(
+        compiled._result_columns
+        and compiled._ordered_columns
+        and not compiled._textual_ordered_columns
+        and not compiled._ad_hoc_textual
+        and not compiled._loose_column_name_matching
     )
 
 
@@ -172,19 +189,29 @@ class _NoRows:
         _NO_RESULT_METADATA._we_dont_return_rows()
 
 
-async def run(found: Plan, args: Sequence[Any], driver: asyncpg.Connection) -> FastResult:
-    """Send the statement with ``args`` on ``driver``; asyncpg's errors are raised as they are."""
-    if found.keys is None:
-        status = await driver.execute(found.sql, *args)
-        return FastResult(found, (), _rowcount(status))
-    records = await driver.fetch(found.sql, *args)
-    return FastResult(found, [tuple(record) for record in records], len(records))
+async def run(found: Plan, args: Sequence[Any], driver: asyncpg.Connection) -> FastResult | None:
+    """Send the statement with ``args`` on ``driver`` as SQLAlchemy's adapter sends it: a
+    prepared statement (one command only, whatever text it holds), its row count read from its
+    command status; asyncpg's errors are raised as they are. None, with nothing executed (only
+    prepared), when the driver describes other columns than the compiled statement's: then
+    SQLAlchemy's path must name them."""
+    statement = await driver._prepare(found.sql, use_cache=True)
+    columns = 0 if found.keys is None else len(found.keys)
+    if len(statement.get_attributes()) != columns:
+        return None
+    records = await statement.fetch(*args)
+    rows = [tuple(record) for record in records] if found.keys is not None else ()
+    return FastResult(found, rows, _rowcount(statement.get_statusmsg()))
 
 
-def _rowcount(status: str) -> int:
-    """The row count of a command status (``UPDATE 3``, ``INSERT 0 1``), -1 when it has none."""
-    last = status.rsplit(" ", 1)[-1]
-    return int(last) if last.isdigit() else -1
+_ROWCOUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
+
+
+def _rowcount(status: str | None) -> int:
+    """The row count of a command status (``UPDATE 3``, ``INSERT 0 1``) as SQLAlchemy's asyncpg
+    adapter reads it, -1 when it has none."""
+    match = _ROWCOUNT.match(status or "")
+    return int(match.group(1)) if match else -1
 
 
 def as_sqlalchemy_error(
