@@ -33,13 +33,14 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.orm import registry
 
 from examples.payments.tables import accounts, ledger_entries
+from tests.helpers import scalar, wait_until
 from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.context import Context
-from worker.errors import classify, is_contention
+from worker.errors import Fault, classify, is_contention
 from worker.sql.compiled import FastResult
 from worker.sql.driver import in_transaction
 
@@ -405,3 +406,45 @@ async def test_a_statement_holding_several_commands_is_refused_as_sqlalchemy_ref
     assert got == expected
     assert expected[2] == "42601"
     assert len((await fast.execute(select(accounts.c.account))).all()) == 5
+
+
+SLEEPING = "SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND query LIKE '%pg_sleep%'"
+
+
+@pytest.mark.parametrize("way", ["sqlalchemy", "fast path"])
+async def test_a_connection_lost_mid_statement_renews_the_pool_as_sqlalchemy_does(
+    engine: AsyncEngine, way: str
+) -> None:
+    # Given a pool holding an idle connection, and a unit of work on another one
+    pool = create_async_engine(engine.url, pool_size=2)
+    try:
+        idle = await pool.connect()
+        idle_pid = (await idle.execute(select(func.pg_backend_pid()))).scalar()
+        async with pool.connect() as conn:
+            await idle.close()  # back in the pool
+            await conn.begin()
+            pid = (await conn.execute(select(func.pg_backend_pid()))).scalar()
+            assert pid != idle_pid
+            handler = HandlerConnection(conn, await in_transaction(conn))
+            runs: Any = conn if way == "sqlalchemy" else handler
+            sleep = select(func.length(func.pg_sleep(5).cast(Text)))
+
+            async def sleeping() -> bool:
+                return bool(await scalar(engine, SLEEPING, pid=pid))
+
+            async def terminate() -> None:
+                await wait_until(sleeping, interval=0.01)
+                await scalar(engine, "SELECT pg_terminate_backend(:pid)", pid=pid)
+
+            # When its backend is terminated while a statement runs
+            with pytest.raises(sqlalchemy.exc.DBAPIError) as raised:
+                await asyncio.gather(runs.execute(sleep), terminate())
+            # Then it is a disconnect, classified transient, the connection invalidated
+            assert raised.value.connection_invalidated
+            assert classify(raised.value) is Fault.TRANSIENT
+            assert conn.invalidated
+        # And the idle connection, made before, is replaced too at its next checkout
+        async with pool.connect() as again:
+            assert (await again.execute(select(func.pg_backend_pid()))).scalar() != idle_pid
+    finally:
+        await pool.dispose()

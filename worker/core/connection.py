@@ -102,13 +102,19 @@ class HandlerConnection(AsyncConnection):
             raise error from error.__cause__
 
     async def _lost(self, exc: BaseException) -> bool:
-        """True, the connection invalidated, when ``exc`` leaves it unusable: what SQLAlchemy's
-        path decides (closed, or ``worker.database``'s hook: an ``InternalClientError``)."""
+        """True, the connection invalidated (and the pool's older connections with it), when
+        ``exc`` leaves it unusable: what SQLAlchemy's path decides (closed, or
+        ``worker.database``'s hook: an ``InternalClientError``)."""
         if not self.driver.is_closed() and not any(
             isinstance(cause, asyncpg.exceptions.InternalClientError) for cause in causes(exc)
         ):
             return False
+        sync = self.sync_connection
         with contextlib.suppress(Exception):  # already failing with the error that counts
+            if sync is not None and not sync.invalidated and sync._dbapi_connection is not None:
+                # as SQLAlchemy's path does on a disconnect: every connection the pool made
+                # before this one is replaced at its next checkout, not only this one
+                sync.engine.pool._invalidate(sync._dbapi_connection, exc)
             await self.invalidate()
         return True
 
