@@ -33,7 +33,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import registry
 
 from examples.payments.tables import accounts, ledger_entries
@@ -448,3 +448,25 @@ async def test_a_connection_lost_mid_statement_renews_the_pool_as_sqlalchemy_doe
             assert (await again.execute(select(func.pg_backend_pid()))).scalar() != idle_pid
     finally:
         await pool.dispose()
+
+
+async def test_a_sessions_own_execution_options_are_applied_as_sqlalchemy_applies_them(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given sessions whose execution options map tables without a schema to another schema,
+    # where a table of the same name holds other rows
+    slow, fast = both
+    await slow.execute(text("CREATE SCHEMA other"))
+    await slow.execute(text("CREATE TABLE other.accounts (account text, balance_cents int)"))
+    await slow.execute(text("INSERT INTO other.accounts VALUES ('other', 1)"))
+    options = {"schema_translate_map": {None: "other"}}
+    answers = []
+    # (the handler's first: SQLAlchemy's session sets its options on the shared connection)
+    for conn, kind in ((fast, HandlerSession), (slow, AsyncSession)):
+        session = kind(bind=conn, execution_options=options)
+        # When a Core select runs on each
+        result = await session.execute(select(accounts.c.account))
+        answers.append(result.scalars().all())
+        await session.close()
+    # Then both read the table the options name
+    assert answers[0] == answers[1] == ["other"]

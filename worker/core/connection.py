@@ -10,7 +10,8 @@ path, so that accessor keeps working where it means something). ``HandlerConnect
 on the transaction's asyncpg connection and returns a ``Result`` with the same rows, keys and
 ``rowcount``; everything else, and everything but ``execute``, is SQLAlchemy's unchanged.
 ``HandlerSession.execute`` does the same for a Core statement when the session has nothing to
-flush (so autoflush would send nothing) and no ``do_orm_execute`` hook. Statement hooks on the
+flush (so autoflush would send nothing), no execution options of its own and no
+``do_orm_execute`` hook. Statement hooks on the
 engine (``before_execute``, ``before_cursor_execute`` …), execution options on the connection and
 the engine's ``echo`` turn the fast path off.
 """
@@ -137,6 +138,7 @@ class HandlerSession(AsyncSession):
         if (
             isinstance(bind, HandlerConnection)
             and not execution_options
+            and not self.sync_session.execution_options  # the session's own (schema map …)
             and bind_arguments is None
             and not kw
             and not self.sync_session.dispatch.do_orm_execute
