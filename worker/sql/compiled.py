@@ -31,8 +31,9 @@ from sqlalchemy import Delete, Insert, Select, Update
 from sqlalchemy.engine import Dialect, IteratorResult
 from sqlalchemy.engine.cursor import _NO_RESULT_METADATA
 from sqlalchemy.engine.result import SimpleResultMetaData
-from sqlalchemy.sql import sqltypes
+from sqlalchemy.sql import sqltypes, visitors
 from sqlalchemy.sql.compiler import WARN_LINTING, SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement, TextClause
 
 MAX_PLANS = 2000
 """Statement shapes remembered (per process); past it the memory starts over."""
@@ -52,6 +53,9 @@ class Plan:
     processors: Mapping[str, Callable[[Any], Any]]
     keys: tuple[str, ...] | None
     metadata: SimpleResultMetaData
+    described: bool = False
+    """True when its columns must be checked against the driver's description before it runs
+    (a column holds text SQLAlchemy does not parse: ``literal_column("a, b")``)."""
 
 
 _plans: dict[Any, Plan | None] = {}
@@ -112,6 +116,7 @@ def _compile(
         return None  # a tuple's processors, one per element
     keys: tuple[str, ...] | None = None
     extra: tuple[tuple[Any, ...], ...] = ()
+    described = False
     if isinstance(statement, Select) or compiled.effective_returning:
         if not _positional_columns(compiled):
             return None  # SQLAlchemy matches the driver's columns by name: a ``*``, text()
@@ -120,6 +125,7 @@ def _compile(
         if len(set(keys)) != len(keys) or not all(_plain(e.type, dialect) for e in entries):
             return None
         extra = tuple(tuple(entry.objects) for entry in entries)
+        described = any(_textual(obj) for entry in entries for obj in entry.objects)
     return Plan(
         sql=compiled.string,
         compiled=compiled,
@@ -127,6 +133,7 @@ def _compile(
         processors=cast(dict[str, Callable[[Any], Any]], dict(processors)),
         keys=keys,
         metadata=SimpleResultMetaData(keys or (), extra=extra),
+        described=described,
     )
 
 
@@ -142,6 +149,19 @@ def _positional_columns(compiled: SQLCompiler) -> bool:
         and not compiled._ad_hoc_textual
         and not compiled._loose_column_name_matching
     )
+
+
+def _textual(column: Any) -> bool:
+    """True when ``column`` may render as several columns: it holds SQL text (a literal
+    column, ``text()``) or an element SQLAlchemy does not define (a ``@compiles`` construct)."""
+    if not isinstance(column, ClauseElement):
+        return False
+    for element in visitors.iterate(column):
+        if isinstance(element, TextClause) or getattr(element, "is_literal", False):
+            return True
+        if not type(element).__module__.startswith("sqlalchemy."):
+            return True
+    return False
 
 
 def _plain(type_: Any, dialect: Dialect) -> bool:
@@ -191,10 +211,15 @@ class _NoRows:
 
 async def run(found: Plan, args: Sequence[Any], driver: asyncpg.Connection) -> FastResult | None:
     """Send the statement with ``args`` on ``driver`` as SQLAlchemy's adapter sends it: a
-    prepared statement (one command only, whatever text it holds), its row count read from its
-    command status; asyncpg's errors are raised as they are. None, with nothing executed (only
-    prepared), when the driver describes other columns than the compiled statement's: then
-    SQLAlchemy's path must name them."""
+    prepared statement (one command only, whatever its text holds); asyncpg's errors are raised
+    as they are. None, with nothing executed (only prepared), when the driver describes other
+    columns than the compiled statement's: then SQLAlchemy's path must name them."""
+    if found.keys is not None and not found.described:
+        records = await driver.fetch(found.sql, *args)  # its status counts the rows it returns
+        return FastResult(found, [tuple(record) for record in records], len(records))
+    if found.keys is None and args:
+        return FastResult(found, (), _rowcount(await driver.execute(found.sql, *args)))
+    # without arguments asyncpg's execute() would send a simple query (several commands run)
     statement = await driver._prepare(found.sql, use_cache=True)
     columns = 0 if found.keys is None else len(found.keys)
     if len(statement.get_attributes()) != columns:
