@@ -6,14 +6,19 @@ SQLAlchemy's own path sends, and its rows need no processing SQLAlchemy would do
 compiled once (keyed by SQLAlchemy's cache key, as its compiled cache is) with the connection's
 asyncpg dialect: the SQL with ``$n`` and the order of the bind names. Each call binds its own
 values (``construct_params`` with the statement's extracted parameters, then the binds' type
-processors, as ``DefaultExecutionContext`` does) and is sent with ``fetch`` / ``execute``.
+processors, as ``DefaultExecutionContext`` does) and is sent as a prepared statement (as
+SQLAlchemy's adapter sends it: one command, whatever its text holds) with ``fetch`` /
+``execute``; a result column that holds SQL text (``literal_column("a, b")``) is first checked
+against the driver's description, and a mismatch goes to SQLAlchemy's path, which names the
+driver's columns.
 
 ``plan`` answers ``None`` for anything else, and the caller takes SQLAlchemy's path: statements
 that are not Core ``Select`` / ``Insert`` / ``Update`` / ``Delete`` (``text()``, ORM-enabled
 statements, unions), statements with execution options, ``IN`` lists and literal-execute binds,
 Python-side column defaults (prefetch) and implicit RETURNING (``inserted_primary_key``), result
 columns of a type with a result processor (``Numeric``, ``Enum``, ``PickleType``, a
-``TypeDecorator`` that converts results) or duplicate names, a statement that does not compile.
+``TypeDecorator`` that converts results) or duplicate names, a ``*`` or ``text()`` result
+column (SQLAlchemy matches those by the driver's names), a statement that does not compile.
 A driver error is raised as SQLAlchemy raises it (its DBAPI translation, then
 ``DBAPIError.instance``), so the worker's classifier sees the same exception chain.
 """
