@@ -94,7 +94,7 @@ def engine_for(
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
     read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
     event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
-    event.listen(engine.sync_engine, "handle_error", _unusable_connection_is_a_disconnect)
+    event.listen(engine.sync_engine, "handle_error", unusable_connection_is_a_disconnect)
     return engine
 
 
@@ -111,7 +111,7 @@ def _sockets_configured(liveness: Liveness) -> Callable[[Any, Any], None]:
     return configure
 
 
-def _unusable_connection_is_a_disconnect(context: Any) -> None:
+def unusable_connection_is_a_disconnect(context: Any) -> None:
     """An ``handle_error`` hook: asyncpg's ``InternalClientError`` (e.g. "cannot switch to state
     15; another operation (2) is in progress", a connection whose backend was terminated while
     it still waited for the end of an error) means the connection can run nothing more; marked

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Text,
     bindparam,
     delete,
+    event,
     func,
     insert,
     literal_column,
@@ -40,6 +41,7 @@ from examples.payments.tables import accounts, ledger_entries
 from tests.helpers import scalar, wait_until
 from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.context import Context
+from worker.database import unusable_connection_is_a_disconnect
 from worker.errors import Fault, classify, is_contention
 from worker.sql.compiled import FastResult
 from worker.sql.driver import in_transaction
@@ -470,3 +472,35 @@ async def test_a_sessions_own_execution_options_are_applied_as_sqlalchemy_applie
         await session.close()
     # Then both read the table the options name
     assert answers[0] == answers[1] == ["other"]
+
+
+class Refused(Exception):
+    """What a deployment's ``handle_error`` hook raises instead of SQLAlchemy's error."""
+
+
+@pytest.mark.parametrize("way", ["sqlalchemy", "fast path"])
+async def test_an_engines_own_error_hook_sees_the_error_as_on_sqlalchemys_path(
+    engine: AsyncEngine, way: str
+) -> None:
+    # Given an engine with a handle_error hook of its own (besides the worker's)
+    hooked = create_async_engine(engine.url)
+    event.listen(hooked.sync_engine, "handle_error", unusable_connection_is_a_disconnect)
+    seen: list[type[BaseException]] = []
+
+    def refuse(context: Any) -> None:
+        seen.append(type(context.original_exception))
+        raise Refused("refused") from context.original_exception
+
+    event.listen(hooked.sync_engine, "handle_error", refuse)
+    try:
+        async with hooked.connect() as conn:
+            await conn.begin()
+            handler = HandlerConnection(conn, await in_transaction(conn))
+            runs: Any = conn if way == "sqlalchemy" else handler
+            # When a statement fails
+            with pytest.raises(Refused):
+                await runs.execute(select(accounts.c.account).where(func.pg_temp.nothing()))
+            # Then the hook saw the driver's error and what it raised is what the handler gets
+            assert len(seen) == 1
+    finally:
+        await hooked.dispose()

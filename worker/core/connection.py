@@ -12,8 +12,9 @@ on the transaction's asyncpg connection and returns a ``Result`` with the same r
 ``HandlerSession.execute`` does the same for a Core statement when the session has nothing to
 flush (so autoflush would send nothing), no execution options of its own and no
 ``do_orm_execute`` hook. Statement hooks on the
-engine (``before_execute``, ``before_cursor_execute`` …), execution options on the connection and
-the engine's ``echo`` turn the fast path off.
+engine (``before_execute``, ``before_cursor_execute`` …), ``handle_error`` hooks other than
+``worker.database``'s, execution options on the connection and the engine's ``echo`` turn the
+fast path off.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.util import EMPTY_DICT
 
+from worker.database import unusable_connection_is_a_disconnect
 from worker.errors import causes
 from worker.sql import compiled
 
@@ -53,6 +55,11 @@ class HandlerConnection(AsyncConnection):
                 or dispatch.after_execute
                 or dispatch.before_cursor_execute
                 or dispatch.after_cursor_execute
+            )
+            # the worker's own error hook is what _lost does; any other must see the error
+            and all(
+                hook is unusable_connection_is_a_disconnect
+                for hook in conn.engine.dialect.dispatch.handle_error
             )
         )
 
