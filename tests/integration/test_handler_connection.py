@@ -41,8 +41,7 @@ from examples.payments.tables import accounts, ledger_entries
 from tests.helpers import scalar, wait_until
 from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.context import Context
-from worker.database import unusable_connection_is_a_disconnect
-from worker.errors import Fault, classify, is_contention
+from worker.errors import Fault, classify, is_contention, unusable_connection_is_a_disconnect
 from worker.sql.compiled import FastResult
 from worker.sql.driver import in_transaction
 
@@ -504,3 +503,26 @@ async def test_an_engines_own_error_hook_sees_the_error_as_on_sqlalchemys_path(
             assert len(seen) == 1
     finally:
         await hooked.dispose()
+
+
+@pytest.mark.parametrize("kind", [AsyncSession, HandlerSession])
+async def test_a_sessions_rollback_undoes_its_core_statements_as_sqlalchemys_does(
+    engine: AsyncEngine, kind: type[AsyncSession]
+) -> None:
+    # Given a handler's session (as Context opens it) on a unit of work's transaction
+    name = f"rolled-back-{kind.__name__}"
+    async with engine.connect() as conn:
+        await conn.begin()
+        handler = HandlerConnection(conn, await in_transaction(conn))
+        session = kind(bind=handler, expire_on_commit=False, join_transaction_mode="rollback_only")
+        # When a Core insert runs on it, and the session is rolled back
+        await session.execute(insert(accounts).values(account=name, balance_cents=1))
+        await session.rollback()
+        # Then the transaction it joined is rolled back (the worker's commit commits nothing)
+        assert not conn.in_transaction()
+        assert not handler.driver.is_in_transaction()
+        await conn.commit()
+        await session.close()
+    async with engine.connect() as other:
+        found = await other.scalar(select(func.count()).where(accounts.c.account == name))
+    assert found == 0

@@ -9,8 +9,14 @@ import asyncpg
 import pytest
 
 from tests.helpers import FAILOVER_ERRORS
-from worker.database import unusable_connection_is_a_disconnect
-from worker.errors import Fault, HandlerFailed, Retryable, classify, is_transient
+from worker.errors import (
+    Fault,
+    HandlerFailed,
+    Retryable,
+    classify,
+    is_transient,
+    unusable_connection_is_a_disconnect,
+)
 
 
 class _SqlState(Exception):

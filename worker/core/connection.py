@@ -9,7 +9,8 @@ path, so that accessor keeps working where it means something). ``HandlerConnect
 ``execute`` (and ``scalar``, ``scalars``, which call it) sends a statement the fast path covers
 on the transaction's asyncpg connection and returns a ``Result`` with the same rows, keys and
 ``rowcount``; everything else, and everything but ``execute``, is SQLAlchemy's unchanged.
-``HandlerSession.execute`` does the same for a Core statement when the session has nothing to
+``HandlerSession.execute`` does the same for a Core statement when the session has joined the
+transaction already (its first statement joins it: SQLAlchemy's path), has nothing to
 flush (so autoflush would send nothing), no execution options of its own and no
 ``do_orm_execute`` hook. Statement hooks on the
 engine (``before_execute``, ``before_cursor_execute`` …), ``handle_error`` hooks other than
@@ -27,8 +28,7 @@ from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.util import EMPTY_DICT
 
-from worker.database import unusable_connection_is_a_disconnect
-from worker.errors import causes
+from worker.errors import causes, unusable_connection_is_a_disconnect
 from worker.sql import compiled
 
 
@@ -150,6 +150,7 @@ class HandlerSession(AsyncSession):
             and not kw
             and not self.sync_session.dispatch.do_orm_execute
             and self.sync_session._is_clean()
+            and self._joined(bind)
         ):
             result = await bind.fast_execute(statement, params)
             if result is not None:
@@ -162,3 +163,15 @@ class HandlerSession(AsyncSession):
             **kw,
         )
         return cast(Result[Any], result)
+
+    def _joined(self, bind: HandlerConnection) -> bool:
+        """True when the session's transaction already holds ``bind``, so SQLAlchemy's execute
+        would begin and join nothing. Its first statement takes SQLAlchemy's path: it joins
+        the unit of work's transaction, so that ``session.rollback()`` rolls that back too
+        (``join_transaction_mode="rollback_only"``), as it would without the fast path."""
+        transaction = self.sync_session._transaction
+        return (
+            transaction is not None
+            and transaction.is_active
+            and bind.sync_connection in transaction._connections
+        )
