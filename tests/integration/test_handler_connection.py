@@ -526,3 +526,34 @@ async def test_a_sessions_rollback_undoes_its_core_statements_as_sqlalchemys_doe
     async with engine.connect() as other:
         found = await other.scalar(select(func.count()).where(accounts.c.account == name))
     assert found == 0
+
+
+async def test_columns_of_a_statement_built_at_each_call_find_their_values(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a select of a subquery's column and of a label, built anew at each call (one shape,
+    # compiled once: later calls are other objects than the ones compiled)
+    def build(floor: int) -> tuple[Any, list[Any]]:
+        sub = select(accounts.c.account, accounts.c.balance_cents).where(
+            accounts.c.balance_cents > floor
+        )
+        sub = sub.subquery()
+        plus = (sub.c.balance_cents + 1).label("plus")
+        statement = select(sub.c.account, plus).order_by(sub.c.account).limit(1)
+        return statement, [sub.c.account, plus, "plus", "account"]
+
+    answers = []
+    for conn in both:
+        reads = []
+        for floor in (0, 10, 20):
+            # When each is run and its row read by its own column objects
+            statement, keys = build(floor)
+            row = (await conn.execute(statement)).one()
+            reads.append([row._mapping[key] for key in keys])
+        answers.append(reads)
+    # Then each finds its values, as on SQLAlchemy's path
+    assert (
+        answers[1]
+        == answers[0]
+        == [["a1", 11, 11, "a1"], ["a2", 21, 21, "a2"], ["a3", 31, 31, "a3"]]
+    )

@@ -98,7 +98,8 @@ class HandlerConnection(AsyncConnection):
             return None  # a missing or unbindable value: SQLAlchemy's path raises it its way
         try:
             async with self._mutex:
-                return await compiled.run(plan, args, self.driver)  # None: SQLAlchemy's path
+                # None: SQLAlchemy's path
+                return await compiled.run(plan, args, self.driver, statement)
         except Exception as exc:
             error = compiled.as_sqlalchemy_error(
                 exc, plan, args, dialect, hide=sync.engine.hide_parameters

@@ -58,6 +58,8 @@ class Plan:
     processors: Mapping[str, Callable[[Any], Any]]
     keys: tuple[str, ...] | None
     metadata: SimpleResultMetaData
+    extra: tuple[tuple[Any, ...], ...] = ()
+    """Each result column's objects (as its metadata's ``extra``) in the statement compiled."""
     described: bool = False
     """True when its columns must be checked against the driver's description before it runs
     (a column holds text SQLAlchemy does not parse: ``literal_column("a, b")``)."""
@@ -138,6 +140,7 @@ def _compile(
         processors=cast(dict[str, Callable[[Any], Any]], dict(processors)),
         keys=keys,
         metadata=SimpleResultMetaData(keys or (), extra=extra),
+        extra=extra,
         described=described,
     )
 
@@ -196,12 +199,30 @@ class FastResult(IteratorResult[Any]):
     """The rows of a statement run here, behind SQLAlchemy's ``Result`` API, with ``rowcount``;
     a statement without rows is a closed result, as SQLAlchemy's is."""
 
-    def __init__(self, found: Plan, rows: Sequence[Any], rowcount: int) -> None:
-        super().__init__(found.metadata, iter(rows) if found.keys is not None else _NoRows())
+    def __init__(
+        self, found: Plan, rows: Sequence[Any], rowcount: int, statement: Any = None
+    ) -> None:
+        metadata = found.metadata if statement is None else _metadata(found, statement)
+        super().__init__(metadata, iter(rows) if found.keys is not None else _NoRows())
         self.rowcount = rowcount
         self.returns_rows = found.keys is not None
         if found.keys is None:
             self._metadata = _NO_RESULT_METADATA
+
+
+def _metadata(found: Plan, statement: Any) -> SimpleResultMetaData:
+    """The result metadata of ``statement`` run with ``found``: the plan's, and when the plan
+    was compiled from another statement of its shape, with this statement's own columns added
+    (as SQLAlchemy's ``CursorResultMetaData._adapt_to_context`` adds them), so that
+    ``row._mapping[column]`` finds a column of a subquery or label built at each call."""
+    if found.keys is None or statement is found.compiled.statement:
+        return found.metadata
+    columns = list(statement._all_selected_columns)
+    extra = tuple(
+        (*objects, columns[index]) if index < len(columns) else objects
+        for index, objects in enumerate(found.extra)
+    )
+    return SimpleResultMetaData(found.keys, extra=extra)
 
 
 class _NoRows:
@@ -214,24 +235,26 @@ class _NoRows:
         _NO_RESULT_METADATA._we_dont_return_rows()
 
 
-async def run(found: Plan, args: Sequence[Any], driver: asyncpg.Connection) -> FastResult | None:
+async def run(
+    found: Plan, args: Sequence[Any], driver: asyncpg.Connection, statement: Any = None
+) -> FastResult | None:
     """Send the statement with ``args`` on ``driver`` as SQLAlchemy's adapter sends it: a
     prepared statement (one command only, whatever its text holds); asyncpg's errors are raised
     as they are. None, with nothing executed (only prepared), when the driver describes other
     columns than the compiled statement's: then SQLAlchemy's path must name them."""
     if found.keys is not None and not found.described:
         records = await driver.fetch(found.sql, *args)  # its status counts the rows it returns
-        return FastResult(found, [tuple(record) for record in records], len(records))
+        return FastResult(found, [tuple(r) for r in records], len(records), statement)
     if found.keys is None and args:
         return FastResult(found, (), _rowcount(await driver.execute(found.sql, *args)))
     # without arguments asyncpg's execute() would send a simple query (several commands run)
-    statement = await driver._prepare(found.sql, use_cache=True)
+    prepared = await driver._prepare(found.sql, use_cache=True)
     columns = 0 if found.keys is None else len(found.keys)
-    if len(statement.get_attributes()) != columns:
+    if len(prepared.get_attributes()) != columns:
         return None
-    records = await statement.fetch(*args)
-    rows = [tuple(record) for record in records] if found.keys is not None else ()
-    return FastResult(found, rows, _rowcount(statement.get_statusmsg()))
+    records = await prepared.fetch(*args)
+    rows: Sequence[Any] = [tuple(r) for r in records] if found.keys is not None else ()
+    return FastResult(found, rows, _rowcount(prepared.get_statusmsg()), statement)
 
 
 _ROWCOUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
