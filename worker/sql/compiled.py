@@ -10,7 +10,8 @@ processors, as ``DefaultExecutionContext`` does) and is sent as a prepared state
 SQLAlchemy's adapter sends it: one command, whatever its text holds) with ``fetch`` /
 ``execute``; a result column that holds SQL text (``literal_column("a, b")``) is first checked
 against the driver's description, and a mismatch goes to SQLAlchemy's path, which names the
-driver's columns.
+driver's columns. A result's keys are its shape's, plus (for another statement of the shape than
+the one compiled) its own column objects, as SQLAlchemy adapts a cached compiled's keymap.
 
 ``plan`` answers ``None`` for anything else, and the caller takes SQLAlchemy's path: statements
 that are not Core ``Select`` / ``Insert`` / ``Update`` / ``Delete`` (``text()``, ORM-enabled
@@ -217,12 +218,21 @@ def _metadata(found: Plan, statement: Any) -> SimpleResultMetaData:
     ``row._mapping[column]`` finds a column of a subquery or label built at each call."""
     if found.keys is None or statement is found.compiled.statement:
         return found.metadata
-    columns = list(statement._all_selected_columns)
-    extra = tuple(
-        (*objects, columns[index]) if index < len(columns) else objects
-        for index, objects in enumerate(found.extra)
-    )
-    return SimpleResultMetaData(found.keys, extra=extra)
+    shared = found.metadata
+    keymap = dict(shared._keymap)
+    key_to_index = dict(shared._key_to_index)
+    columns = statement._all_selected_columns
+    for index, (name, column) in enumerate(zip(found.keys, columns, strict=False)):
+        keymap[column] = shared._keymap[name]
+        key_to_index[column] = index
+    adapted = SimpleResultMetaData.__new__(SimpleResultMetaData)
+    for kind in type(shared).__mro__:  # a copy (its slots), then the two maps replaced
+        for slot in getattr(kind, "__slots__", ()):
+            if hasattr(shared, slot):
+                setattr(adapted, slot, getattr(shared, slot))
+    adapted._keymap = keymap
+    adapted._key_to_index = key_to_index
+    return adapted
 
 
 class _NoRows:
