@@ -10,11 +10,11 @@ path, so that accessor keeps working where it means something). ``HandlerConnect
 on the transaction's asyncpg connection and returns a ``Result`` with the same rows, keys and
 ``rowcount``; everything else, and everything but ``execute``, is SQLAlchemy's unchanged.
 ``HandlerSession.execute`` does the same for a Core statement when the session has joined the
-transaction already (its first statement joins it: SQLAlchemy's path), has nothing to
-flush (so autoflush would send nothing), no execution options of its own and no
-``do_orm_execute`` hook. Statement hooks on the
-engine (``before_execute``, ``before_cursor_execute`` …), ``handle_error`` hooks other than
-``worker.database``'s, execution options on the connection and the engine's ``echo`` turn the
+transaction already (its first statement joins it: SQLAlchemy's path), has nothing to flush (so
+autoflush would send nothing), no execution options of its own and no ``do_orm_execute`` hook.
+Statement hooks on the engine (``before_execute``, ``before_cursor_execute`` …), ``handle_error``
+hooks other than the worker's (``worker.errors.unusable_connection_is_a_disconnect``, installed
+by ``worker.database``), execution options on the connection and the engine's ``echo`` turn the
 fast path off.
 """
 
