@@ -21,13 +21,17 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 from sqlalchemy import event
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import DisconnectionError, InvalidatePoolError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from worker.errors import ConfigurationError, NoPrimary, causes, refusals_explained
+from worker.errors import (
+    ConfigurationError,
+    NoPrimary,
+    refusals_explained,
+    unusable_connection_is_a_disconnect,
+)
 from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.settings import Settings, asyncpg_url, field
@@ -94,7 +98,7 @@ def engine_for(
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
     read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
     event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
-    event.listen(engine.sync_engine, "handle_error", _unusable_connection_is_a_disconnect)
+    event.listen(engine.sync_engine, "handle_error", unusable_connection_is_a_disconnect)
     return engine
 
 
@@ -109,18 +113,6 @@ def _sockets_configured(liveness: Liveness) -> Callable[[Any, Any], None]:
             liveness.configure(transport.get_extra_info("socket"))
 
     return configure
-
-
-def _unusable_connection_is_a_disconnect(context: Any) -> None:
-    """An ``handle_error`` hook: asyncpg's ``InternalClientError`` (e.g. "cannot switch to state
-    15; another operation (2) is in progress", a connection whose backend was terminated while
-    it still waited for the end of an error) means the connection can run nothing more; marked
-    a disconnect, SQLAlchemy drops it from the pool instead of handing it out again."""
-    if any(
-        isinstance(cause, asyncpg.exceptions.InternalClientError)
-        for cause in causes(context.original_exception)
-    ):
-        context.is_disconnect = True
 
 
 def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, Any, Any], None]:

@@ -12,7 +12,7 @@ import re
 import ssl
 from collections.abc import Iterator
 from traceback import walk_tb
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import aiormq.exceptions
 import asyncpg
@@ -448,3 +448,15 @@ def _refused(exc: BaseException) -> str | None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip() or type(exc).__name__
     return text.splitlines()[0]
+
+
+def unusable_connection_is_a_disconnect(context: Any) -> None:
+    """An ``handle_error`` hook: asyncpg's ``InternalClientError`` (e.g. "cannot switch to state
+    15; another operation (2) is in progress", a connection whose backend was terminated while
+    it still waited for the end of an error) means the connection can run nothing more; marked
+    a disconnect, SQLAlchemy drops it from the pool instead of handing it out again."""
+    if any(
+        isinstance(cause, asyncpg.exceptions.InternalClientError)
+        for cause in causes(context.original_exception)
+    ):
+        context.is_disconnect = True

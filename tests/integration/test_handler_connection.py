@@ -23,21 +23,25 @@ from sqlalchemy import (
     Table,
     Text,
     bindparam,
+    delete,
+    event,
     func,
     insert,
+    literal_column,
     select,
     text,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.engine import Result
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
 from sqlalchemy.orm import registry
 
 from examples.payments.tables import accounts, ledger_entries
+from tests.helpers import scalar, wait_until
 from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.context import Context
-from worker.errors import classify, is_contention
+from worker.errors import Fault, classify, is_contention, unusable_connection_is_a_disconnect
 from worker.sql.compiled import FastResult
 from worker.sql.driver import in_transaction
 
@@ -340,3 +344,216 @@ async def test_statements_sent_at_once_run_one_after_another(
     )
     # Then each ran (one at a time on the one connection) and answered its own rows
     assert [r.scalar_one() for r in results] == [0, 10, 20, 30, 40, 1]
+
+
+async def _answer(conn: AsyncConnection, statement: Any) -> Any:
+    """What ``statement`` answers on ``conn`` (keys, rows, mappings, row count, or the error's
+    types), and the accounts after it, in a savepoint rolled back."""
+    savepoint = await conn.begin_nested()
+    try:
+        result = await conn.execute(statement)
+        if result.returns_rows:
+            rows = result.all()
+            answer: Any = (list(result.keys()), rows, [dict(row._mapping) for row in rows])
+        else:
+            answer = result.rowcount
+        after = (await conn.execute(text("SELECT * FROM accounts ORDER BY 1"))).all()
+        return answer, after
+    except sqlalchemy.exc.DBAPIError as exc:
+        return type(exc), type(exc.orig), exc.orig.sqlstate  # type: ignore[union-attr]
+    finally:
+        await savepoint.rollback()
+
+
+STAR_AND_TEXT_COLUMNS: dict[str, Any] = {
+    "*": select(literal_column("*")).select_from(accounts).order_by(accounts.c.account),
+    "text() columns": select(text("account, balance_cents"))
+    .select_from(accounts)
+    .order_by(accounts.c.account),
+    "a literal column of two": select(literal_column("account, balance_cents"))
+    .select_from(accounts)
+    .order_by(accounts.c.account),
+    "returning *": insert(accounts)
+    .values(account="z", balance_cents=1)
+    .returning(literal_column("*")),
+}
+
+
+@pytest.mark.parametrize("case", STAR_AND_TEXT_COLUMNS)
+async def test_star_and_text_columns_are_named_as_sqlalchemy_names_them(
+    both: tuple[AsyncConnection, HandlerConnection], case: str
+) -> None:
+    # Given a statement whose SQL returns other columns than its compiled form lists (a `*`,
+    # a text() or literal column holding several): SQLAlchemy names them from the driver
+    statement = STAR_AND_TEXT_COLUMNS[case]
+    slow, fast = both
+    # When it runs both ways
+    expected, got = await _answer(slow, statement), await _answer(fast, statement)
+    # Then the keys, rows and mappings are SQLAlchemy's (each column, by its own name)
+    assert got == expected
+    assert expected[0][0][:2] == ["account", "balance_cents"]
+
+
+async def test_a_statement_holding_several_commands_is_refused_as_sqlalchemy_refuses_it(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a delete without a bind value whose text() holds a second command
+    # (a handler that builds text() from a message's content)
+    statement = delete(accounts).where(text("account = 'a1'; DELETE FROM accounts"))
+    slow, fast = both
+    # When it runs both ways
+    expected, got = await _answer(slow, statement), await _answer(fast, statement)
+    # Then both refuse it (a prepared statement holds one command), and nothing is deleted
+    assert got == expected
+    assert expected[2] == "42601"
+    assert len((await fast.execute(select(accounts.c.account))).all()) == 5
+
+
+SLEEPING = "SELECT count(*) FROM pg_stat_activity WHERE pid = :pid AND query LIKE '%pg_sleep%'"
+
+
+@pytest.mark.parametrize("way", ["sqlalchemy", "fast path"])
+async def test_a_connection_lost_mid_statement_renews_the_pool_as_sqlalchemy_does(
+    engine: AsyncEngine, way: str
+) -> None:
+    # Given a pool holding an idle connection, and a unit of work on another one
+    pool = create_async_engine(engine.url, pool_size=2)
+    try:
+        idle = await pool.connect()
+        idle_pid = (await idle.execute(select(func.pg_backend_pid()))).scalar()
+        async with pool.connect() as conn:
+            await idle.close()  # back in the pool
+            await conn.begin()
+            pid = (await conn.execute(select(func.pg_backend_pid()))).scalar()
+            assert pid != idle_pid
+            handler = HandlerConnection(conn, await in_transaction(conn))
+            runs: Any = conn if way == "sqlalchemy" else handler
+            sleep = select(func.length(func.pg_sleep(5).cast(Text)))
+
+            async def sleeping() -> bool:
+                return bool(await scalar(engine, SLEEPING, pid=pid))
+
+            async def terminate() -> None:
+                await wait_until(sleeping, interval=0.01)
+                await scalar(engine, "SELECT pg_terminate_backend(:pid)", pid=pid)
+
+            # When its backend is terminated while a statement runs
+            with pytest.raises(sqlalchemy.exc.DBAPIError) as raised:
+                await asyncio.gather(runs.execute(sleep), terminate())
+            # Then it is a disconnect, classified transient, the connection invalidated
+            assert raised.value.connection_invalidated
+            assert classify(raised.value) is Fault.TRANSIENT
+            assert conn.invalidated
+        # And the idle connection, made before, is replaced too at its next checkout
+        async with pool.connect() as again:
+            assert (await again.execute(select(func.pg_backend_pid()))).scalar() != idle_pid
+    finally:
+        await pool.dispose()
+
+
+async def test_a_sessions_own_execution_options_are_applied_as_sqlalchemy_applies_them(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given sessions whose execution options map tables without a schema to another schema,
+    # where a table of the same name holds other rows
+    slow, fast = both
+    await slow.execute(text("CREATE SCHEMA other"))
+    await slow.execute(text("CREATE TABLE other.accounts (account text, balance_cents int)"))
+    await slow.execute(text("INSERT INTO other.accounts VALUES ('other', 1)"))
+    options = {"schema_translate_map": {None: "other"}}
+    answers = []
+    # (the handler's first: SQLAlchemy's session sets its options on the shared connection)
+    for conn, kind in ((fast, HandlerSession), (slow, AsyncSession)):
+        session = kind(bind=conn, execution_options=options)
+        # When a Core select runs on each
+        result = await session.execute(select(accounts.c.account))
+        answers.append(result.scalars().all())
+        await session.close()
+    # Then both read the table the options name
+    assert answers[0] == answers[1] == ["other"]
+
+
+class Refused(Exception):
+    """What a deployment's ``handle_error`` hook raises instead of SQLAlchemy's error."""
+
+
+@pytest.mark.parametrize("way", ["sqlalchemy", "fast path"])
+async def test_an_engines_own_error_hook_sees_the_error_as_on_sqlalchemys_path(
+    engine: AsyncEngine, way: str
+) -> None:
+    # Given an engine with a handle_error hook of its own (besides the worker's)
+    hooked = create_async_engine(engine.url)
+    event.listen(hooked.sync_engine, "handle_error", unusable_connection_is_a_disconnect)
+    seen: list[type[BaseException]] = []
+
+    def refuse(context: Any) -> None:
+        seen.append(type(context.original_exception))
+        raise Refused("refused") from context.original_exception
+
+    event.listen(hooked.sync_engine, "handle_error", refuse)
+    try:
+        async with hooked.connect() as conn:
+            await conn.begin()
+            handler = HandlerConnection(conn, await in_transaction(conn))
+            runs: Any = conn if way == "sqlalchemy" else handler
+            # When a statement fails
+            with pytest.raises(Refused):
+                await runs.execute(select(accounts.c.account).where(func.pg_temp.nothing()))
+            # Then the hook saw the driver's error and what it raised is what the handler gets
+            assert len(seen) == 1
+    finally:
+        await hooked.dispose()
+
+
+@pytest.mark.parametrize("kind", [AsyncSession, HandlerSession])
+async def test_a_sessions_rollback_undoes_its_core_statements_as_sqlalchemys_does(
+    engine: AsyncEngine, kind: type[AsyncSession]
+) -> None:
+    # Given a handler's session (as Context opens it) on a unit of work's transaction
+    name = f"rolled-back-{kind.__name__}"
+    async with engine.connect() as conn:
+        await conn.begin()
+        handler = HandlerConnection(conn, await in_transaction(conn))
+        session = kind(bind=handler, expire_on_commit=False, join_transaction_mode="rollback_only")
+        # When a Core insert runs on it, and the session is rolled back
+        await session.execute(insert(accounts).values(account=name, balance_cents=1))
+        await session.rollback()
+        # Then the transaction it joined is rolled back (the worker's commit commits nothing)
+        assert not conn.in_transaction()
+        assert not handler.driver.is_in_transaction()
+        await conn.commit()
+        await session.close()
+    async with engine.connect() as other:
+        found = await other.scalar(select(func.count()).where(accounts.c.account == name))
+    assert found == 0
+
+
+async def test_columns_of_a_statement_built_at_each_call_find_their_values(
+    both: tuple[AsyncConnection, HandlerConnection],
+) -> None:
+    # Given a select of a subquery's column and of a label, built anew at each call (one shape,
+    # compiled once: later calls are other objects than the ones compiled)
+    def build(floor: int) -> tuple[Any, list[Any]]:
+        sub = select(accounts.c.account, accounts.c.balance_cents).where(
+            accounts.c.balance_cents > floor
+        )
+        sub = sub.subquery()
+        plus = (sub.c.balance_cents + 1).label("plus")
+        statement = select(sub.c.account, plus).order_by(sub.c.account).limit(1)
+        return statement, [sub.c.account, plus, "plus", "account"]
+
+    answers = []
+    for conn in both:
+        reads = []
+        for floor in (0, 10, 20):
+            # When each is run and its row read by its own column objects
+            statement, keys = build(floor)
+            row = (await conn.execute(statement)).one()
+            reads.append([row._mapping[key] for key in keys])
+        answers.append(reads)
+    # Then each finds its values, as on SQLAlchemy's path
+    assert (
+        answers[1]
+        == answers[0]
+        == [["a1", 11, 11, "a1"], ["a2", 21, 21, "a2"], ["a3", 31, 31, "a3"]]
+    )

@@ -9,8 +9,14 @@ import asyncpg
 import pytest
 
 from tests.helpers import FAILOVER_ERRORS
-from worker.database import _unusable_connection_is_a_disconnect
-from worker.errors import Fault, HandlerFailed, Retryable, classify, is_transient
+from worker.errors import (
+    Fault,
+    HandlerFailed,
+    Retryable,
+    classify,
+    is_transient,
+    unusable_connection_is_a_disconnect,
+)
 
 
 class _SqlState(Exception):
@@ -78,12 +84,12 @@ def test_a_connection_no_statement_can_use_is_dropped_from_the_pool() -> None:
     context = SimpleNamespace(original_exception=_wrapped(error), is_disconnect=False)
 
     # When the engine's error hook sees it, it calls it a disconnect (the pool drops it)
-    _unusable_connection_is_a_disconnect(context)
+    unusable_connection_is_a_disconnect(context)
     assert context.is_disconnect
 
     # And any other error is left as SQLAlchemy judged it
     other = SimpleNamespace(original_exception=ValueError("bad input"), is_disconnect=False)
-    _unusable_connection_is_a_disconnect(other)
+    unusable_connection_is_a_disconnect(other)
     assert not other.is_disconnect
 
 

@@ -9,10 +9,13 @@ path, so that accessor keeps working where it means something). ``HandlerConnect
 ``execute`` (and ``scalar``, ``scalars``, which call it) sends a statement the fast path covers
 on the transaction's asyncpg connection and returns a ``Result`` with the same rows, keys and
 ``rowcount``; everything else, and everything but ``execute``, is SQLAlchemy's unchanged.
-``HandlerSession.execute`` does the same for a Core statement when the session has nothing to
-flush (so autoflush would send nothing) and no ``do_orm_execute`` hook. Statement hooks on the
-engine (``before_execute``, ``before_cursor_execute`` …), execution options on the connection and
-the engine's ``echo`` turn the fast path off.
+``HandlerSession.execute`` does the same for a Core statement when the session has joined the
+transaction already (its first statement joins it: SQLAlchemy's path), has nothing to flush (so
+autoflush would send nothing), no execution options of its own and no ``do_orm_execute`` hook.
+Statement hooks on the engine (``before_execute``, ``before_cursor_execute`` …), ``handle_error``
+hooks other than the worker's (``worker.errors.unusable_connection_is_a_disconnect``, installed
+by ``worker.database``), execution options on the connection and the engine's ``echo`` turn the
+fast path off.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from sqlalchemy.engine import CursorResult, Result
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.util import EMPTY_DICT
 
-from worker.errors import causes
+from worker.errors import causes, unusable_connection_is_a_disconnect
 from worker.sql import compiled
 
 
@@ -52,6 +55,11 @@ class HandlerConnection(AsyncConnection):
                 or dispatch.after_execute
                 or dispatch.before_cursor_execute
                 or dispatch.after_cursor_execute
+            )
+            # the worker's own error hook is what _lost does; any other must see the error
+            and all(
+                hook is unusable_connection_is_a_disconnect
+                for hook in conn.engine.dialect.dispatch.handle_error
             )
         )
 
@@ -90,7 +98,8 @@ class HandlerConnection(AsyncConnection):
             return None  # a missing or unbindable value: SQLAlchemy's path raises it its way
         try:
             async with self._mutex:
-                return await compiled.run(plan, args, self.driver)
+                # None: SQLAlchemy's path
+                return await compiled.run(plan, args, self.driver, statement)
         except Exception as exc:
             error = compiled.as_sqlalchemy_error(
                 exc, plan, args, dialect, hide=sync.engine.hide_parameters
@@ -102,13 +111,19 @@ class HandlerConnection(AsyncConnection):
             raise error from error.__cause__
 
     async def _lost(self, exc: BaseException) -> bool:
-        """True, the connection invalidated, when ``exc`` leaves it unusable: what SQLAlchemy's
-        path decides (closed, or ``worker.database``'s hook: an ``InternalClientError``)."""
+        """True, the connection invalidated (and the pool's older connections with it), when
+        ``exc`` leaves it unusable: what SQLAlchemy's path decides (closed, or
+        ``worker.database``'s hook: an ``InternalClientError``)."""
         if not self.driver.is_closed() and not any(
             isinstance(cause, asyncpg.exceptions.InternalClientError) for cause in causes(exc)
         ):
             return False
+        sync = self.sync_connection
         with contextlib.suppress(Exception):  # already failing with the error that counts
+            if sync is not None and not sync.invalidated and sync._dbapi_connection is not None:
+                # as SQLAlchemy's path does on a disconnect: every connection the pool made
+                # before this one is replaced at its next checkout, not only this one
+                sync.engine.pool._invalidate(sync._dbapi_connection, exc)
             await self.invalidate()
         return True
 
@@ -131,10 +146,12 @@ class HandlerSession(AsyncSession):
         if (
             isinstance(bind, HandlerConnection)
             and not execution_options
+            and not self.sync_session.execution_options  # the session's own (schema map …)
             and bind_arguments is None
             and not kw
             and not self.sync_session.dispatch.do_orm_execute
             and self.sync_session._is_clean()
+            and self._joined(bind)
         ):
             result = await bind.fast_execute(statement, params)
             if result is not None:
@@ -147,3 +164,15 @@ class HandlerSession(AsyncSession):
             **kw,
         )
         return cast(Result[Any], result)
+
+    def _joined(self, bind: HandlerConnection) -> bool:
+        """True when the session's transaction already holds ``bind``, so SQLAlchemy's execute
+        would begin and join nothing. Its first statement takes SQLAlchemy's path: it joins
+        the unit of work's transaction, so that ``session.rollback()`` rolls that back too
+        (``join_transaction_mode="rollback_only"``), as it would without the fast path."""
+        transaction = self.sync_session._transaction
+        return (
+            transaction is not None
+            and transaction.is_active
+            and bind.sync_connection in transaction._connections
+        )

@@ -6,20 +6,27 @@ SQLAlchemy's own path sends, and its rows need no processing SQLAlchemy would do
 compiled once (keyed by SQLAlchemy's cache key, as its compiled cache is) with the connection's
 asyncpg dialect: the SQL with ``$n`` and the order of the bind names. Each call binds its own
 values (``construct_params`` with the statement's extracted parameters, then the binds' type
-processors, as ``DefaultExecutionContext`` does) and is sent with ``fetch`` / ``execute``.
+processors, as ``DefaultExecutionContext`` does) and is sent as a prepared statement (as
+SQLAlchemy's adapter sends it: one command, whatever its text holds) with ``fetch`` /
+``execute``; a result column that holds SQL text (``literal_column("a, b")``) is first checked
+against the driver's description, and a mismatch goes to SQLAlchemy's path, which names the
+driver's columns. A result's keys are its shape's, plus (for another statement of the shape than
+the one compiled) its own column objects, as SQLAlchemy adapts a cached compiled's keymap.
 
 ``plan`` answers ``None`` for anything else, and the caller takes SQLAlchemy's path: statements
 that are not Core ``Select`` / ``Insert`` / ``Update`` / ``Delete`` (``text()``, ORM-enabled
 statements, unions), statements with execution options, ``IN`` lists and literal-execute binds,
 Python-side column defaults (prefetch) and implicit RETURNING (``inserted_primary_key``), result
 columns of a type with a result processor (``Numeric``, ``Enum``, ``PickleType``, a
-``TypeDecorator`` that converts results) or duplicate names, a statement that does not compile.
+``TypeDecorator`` that converts results) or duplicate names, a ``*`` or ``text()`` result
+column (SQLAlchemy matches those by the driver's names), a statement that does not compile.
 A driver error is raised as SQLAlchemy raises it (its DBAPI translation, then
 ``DBAPIError.instance``), so the worker's classifier sees the same exception chain.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -30,8 +37,9 @@ from sqlalchemy import Delete, Insert, Select, Update
 from sqlalchemy.engine import Dialect, IteratorResult
 from sqlalchemy.engine.cursor import _NO_RESULT_METADATA
 from sqlalchemy.engine.result import SimpleResultMetaData
-from sqlalchemy.sql import sqltypes
+from sqlalchemy.sql import sqltypes, visitors
 from sqlalchemy.sql.compiler import WARN_LINTING, SQLCompiler
+from sqlalchemy.sql.elements import ClauseElement, TextClause
 
 MAX_PLANS = 2000
 """Statement shapes remembered (per process); past it the memory starts over."""
@@ -51,6 +59,11 @@ class Plan:
     processors: Mapping[str, Callable[[Any], Any]]
     keys: tuple[str, ...] | None
     metadata: SimpleResultMetaData
+    extra: tuple[tuple[Any, ...], ...] = ()
+    """Each result column's objects (as its metadata's ``extra``) in the statement compiled."""
+    described: bool = False
+    """True when its columns must be checked against the driver's description before it runs
+    (a column holds text SQLAlchemy does not parse: ``literal_column("a, b")``)."""
 
 
 _plans: dict[Any, Plan | None] = {}
@@ -111,12 +124,16 @@ def _compile(
         return None  # a tuple's processors, one per element
     keys: tuple[str, ...] | None = None
     extra: tuple[tuple[Any, ...], ...] = ()
+    described = False
     if isinstance(statement, Select) or compiled.effective_returning:
+        if not _positional_columns(compiled):
+            return None  # SQLAlchemy matches the driver's columns by name: a ``*``, text()
         entries = compiled._result_columns
         keys = tuple(entry.keyname for entry in entries)
         if len(set(keys)) != len(keys) or not all(_plain(e.type, dialect) for e in entries):
             return None
         extra = tuple(tuple(entry.objects) for entry in entries)
+        described = any(_textual(obj) for entry in entries for obj in entry.objects)
     return Plan(
         sql=compiled.string,
         compiled=compiled,
@@ -124,7 +141,36 @@ def _compile(
         processors=cast(dict[str, Callable[[Any], Any]], dict(processors)),
         keys=keys,
         metadata=SimpleResultMetaData(keys or (), extra=extra),
+        extra=extra,
+        described=described,
     )
+
+
+def _positional_columns(compiled: SQLCompiler) -> bool:
+    """True when SQLAlchemy would take the result's columns one to one, in order, from the
+    compiled statement (its ``CursorResultMetaData`` fast case), so long as the driver reports
+    as many columns: not a ``*`` or a ``text()`` column, whose columns it names from the
+    driver's description."""
+    return bool(
+        compiled._result_columns
+        and compiled._ordered_columns
+        and not compiled._textual_ordered_columns
+        and not compiled._ad_hoc_textual
+        and not compiled._loose_column_name_matching
+    )
+
+
+def _textual(column: Any) -> bool:
+    """True when ``column`` may render as several columns: it holds SQL text (a literal
+    column, ``text()``) or an element SQLAlchemy does not define (a ``@compiles`` construct)."""
+    if not isinstance(column, ClauseElement):
+        return False
+    for element in visitors.iterate(column):
+        if isinstance(element, TextClause) or getattr(element, "is_literal", False):
+            return True
+        if not type(element).__module__.startswith("sqlalchemy."):
+            return True
+    return False
 
 
 def _plain(type_: Any, dialect: Dialect) -> bool:
@@ -154,12 +200,39 @@ class FastResult(IteratorResult[Any]):
     """The rows of a statement run here, behind SQLAlchemy's ``Result`` API, with ``rowcount``;
     a statement without rows is a closed result, as SQLAlchemy's is."""
 
-    def __init__(self, found: Plan, rows: Sequence[Any], rowcount: int) -> None:
-        super().__init__(found.metadata, iter(rows) if found.keys is not None else _NoRows())
+    def __init__(
+        self, found: Plan, rows: Sequence[Any], rowcount: int, statement: Any = None
+    ) -> None:
+        metadata = found.metadata if statement is None else _metadata(found, statement)
+        super().__init__(metadata, iter(rows) if found.keys is not None else _NoRows())
         self.rowcount = rowcount
         self.returns_rows = found.keys is not None
         if found.keys is None:
             self._metadata = _NO_RESULT_METADATA
+
+
+def _metadata(found: Plan, statement: Any) -> SimpleResultMetaData:
+    """The result metadata of ``statement`` run with ``found``: the plan's, and when the plan
+    was compiled from another statement of its shape, with this statement's own columns added
+    (as SQLAlchemy's ``CursorResultMetaData._adapt_to_context`` adds them), so that
+    ``row._mapping[column]`` finds a column of a subquery or label built at each call."""
+    if found.keys is None or statement is found.compiled.statement:
+        return found.metadata
+    shared = found.metadata
+    keymap = dict(shared._keymap)
+    key_to_index = dict(shared._key_to_index)
+    columns = statement._all_selected_columns
+    for index, (name, column) in enumerate(zip(found.keys, columns, strict=False)):
+        keymap[column] = shared._keymap[name]
+        key_to_index[column] = index
+    adapted = SimpleResultMetaData.__new__(SimpleResultMetaData)
+    for kind in type(shared).__mro__:  # a copy (its slots), then the two maps replaced
+        for slot in getattr(kind, "__slots__", ()):
+            if hasattr(shared, slot):
+                setattr(adapted, slot, getattr(shared, slot))
+    adapted._keymap = keymap
+    adapted._key_to_index = key_to_index
+    return adapted
 
 
 class _NoRows:
@@ -172,19 +245,36 @@ class _NoRows:
         _NO_RESULT_METADATA._we_dont_return_rows()
 
 
-async def run(found: Plan, args: Sequence[Any], driver: asyncpg.Connection) -> FastResult:
-    """Send the statement with ``args`` on ``driver``; asyncpg's errors are raised as they are."""
-    if found.keys is None:
-        status = await driver.execute(found.sql, *args)
-        return FastResult(found, (), _rowcount(status))
-    records = await driver.fetch(found.sql, *args)
-    return FastResult(found, [tuple(record) for record in records], len(records))
+async def run(
+    found: Plan, args: Sequence[Any], driver: asyncpg.Connection, statement: Any = None
+) -> FastResult | None:
+    """Send the statement with ``args`` on ``driver`` as SQLAlchemy's adapter sends it: a
+    prepared statement (one command only, whatever its text holds); asyncpg's errors are raised
+    as they are. None, with nothing executed (only prepared), when the driver describes other
+    columns than the compiled statement's: then SQLAlchemy's path must name them."""
+    if found.keys is not None and not found.described:
+        records = await driver.fetch(found.sql, *args)  # its status counts the rows it returns
+        return FastResult(found, [tuple(r) for r in records], len(records), statement)
+    if found.keys is None and args:
+        return FastResult(found, (), _rowcount(await driver.execute(found.sql, *args)))
+    # without arguments asyncpg's execute() would send a simple query (several commands run)
+    prepared = await driver._prepare(found.sql, use_cache=True)
+    columns = 0 if found.keys is None else len(found.keys)
+    if len(prepared.get_attributes()) != columns:
+        return None
+    records = await prepared.fetch(*args)
+    rows: Sequence[Any] = [tuple(r) for r in records] if found.keys is not None else ()
+    return FastResult(found, rows, _rowcount(prepared.get_statusmsg()), statement)
 
 
-def _rowcount(status: str) -> int:
-    """The row count of a command status (``UPDATE 3``, ``INSERT 0 1``), -1 when it has none."""
-    last = status.rsplit(" ", 1)[-1]
-    return int(last) if last.isdigit() else -1
+_ROWCOUNT = re.compile(r"(?:SELECT|UPDATE|DELETE|INSERT \d+) (\d+)")
+
+
+def _rowcount(status: str | None) -> int:
+    """The row count of a command status (``UPDATE 3``, ``INSERT 0 1``) as SQLAlchemy's asyncpg
+    adapter reads it, -1 when it has none."""
+    match = _ROWCOUNT.match(status or "")
+    return int(match.group(1)) if match else -1
 
 
 def as_sqlalchemy_error(
