@@ -27,6 +27,7 @@ from pamqp.commands import Basic
 
 from worker.core.envelope import CORRELATION_HEADER
 from worker.sql.outbox import OutboxRow
+from worker.transport.closing import until_closed
 
 PERSISTENT = 2
 """AMQP ``delivery_mode`` of a message the broker writes to disk."""
@@ -139,6 +140,10 @@ async def publish_on(
     routing_key: str,
 ) -> None:
     """``publish_confirmed`` on the aiormq channel under ``channel`` now: one publish, as
-    aio-pika's ``Exchange.publish`` would do it, without its ``Message``."""
+    aio-pika's ``Exchange.publish`` would do it, without its ``Message``; it ends once that
+    channel closes, if not before (``closing.until_closed``: a failure copy has no other bound)."""
     underlay = await channel_of(channel)
-    await publish_confirmed(underlay, body, properties, exchange=exchange, routing_key=routing_key)
+    await until_closed(
+        underlay,
+        publish_confirmed(underlay, body, properties, exchange=exchange, routing_key=routing_key),
+    )
