@@ -12,6 +12,7 @@ batch, the settlements of a consumer).
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -20,10 +21,28 @@ import aiormq.exceptions
 
 T = TypeVar("T")
 
+_observers: weakref.WeakKeyDictionary[Any, asyncio.Future[Any]] = weakref.WeakKeyDictionary()
+"""One observer of each channel's close, made once (aiormq's ``closing`` makes a new one per
+call, and one made per write costs more than the write), forgotten once its channel has closed."""
+
+
+def _closing(channel: aiormq.abc.AbstractChannel) -> asyncio.Future[Any]:
+    observer = _observers.get(channel)
+    if observer is None:
+        observer = _observers[channel] = channel.closing
+        key = weakref.ref(channel)
+
+        def forget(_: Any) -> None:  # (its error's traceback may refer to the channel)
+            if (closed := key()) is not None:
+                _observers.pop(closed, None)
+
+        observer.add_done_callback(forget)
+    return observer
+
 
 async def until_closed(channel: aiormq.abc.AbstractChannel, operation: Awaitable[T]) -> T:
     """Await ``operation`` (a write on ``channel``) until it ends or the channel closes."""
-    closing = channel.closing  # an observer of its own: cancelling it only stops observing
+    closing = _closing(channel)
     loop = asyncio.get_running_loop()
     active = True
 
@@ -43,4 +62,4 @@ async def until_closed(channel: aiormq.abc.AbstractChannel, operation: Awaitable
         ) from exc
     finally:
         active = False
-        closing.cancel()
+        closing.remove_done_callback(closed)
