@@ -20,6 +20,7 @@ from tests.helpers import scalar, wait_until
 from tests.integration.support import publish
 from tests.integration.tcp_proxy import TcpProxy, tcp_proxy
 from worker import Context, Router
+from worker.errors import PauseReason
 from worker.settings import Settings
 from worker.telemetry import Count
 from worker.transport.connection import connect
@@ -244,3 +245,28 @@ async def test_a_subscription_cancelled_across_a_reconnect_stays_cancelled_and_r
         await proxy.up()
         await wait_until(lambda: _consuming_anew(consumer, current), timeout=60)
         assert await _consumers(amqp, settings) == 1
+
+
+async def test_a_consumer_resuming_while_the_broker_is_unreachable_still_stops(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    release, entered = asyncio.Event(), asyncio.Event()
+    release.set()
+    router = _holding_router(release, entered)
+    broker = urlsplit(settings.amqp_url)
+    async with (
+        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
+        _consumer_through(settings, router, engine, proxy) as consumer,
+    ):
+        # Given a consumer whose broker cannot be reached
+        old = consumer.subscription._underlay
+        await proxy.down()
+        await wait_until(lambda: _closed(old), timeout=30)
+
+        # When it pauses (PostgreSQL answers at once, so it resumes while the broker is away)
+        await consumer.gate.pause(PauseReason.DATABASE_UNREACHABLE, "a test's pause")
+        await asyncio.sleep(0.5)  # (its resume is under way)
+
+        # Then stopping it ends (its resume gives up instead of waiting for the broker)
+        await asyncio.wait_for(consumer.stop(grace=5), 30)
+        await proxy.up()
