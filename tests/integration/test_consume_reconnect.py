@@ -20,6 +20,7 @@ from tests.helpers import scalar, wait_until
 from tests.integration.support import publish
 from tests.integration.tcp_proxy import TcpProxy, tcp_proxy
 from worker import Context, Router
+from worker.errors import PauseReason
 from worker.settings import Settings
 from worker.telemetry import Count
 from worker.transport.connection import connect
@@ -185,3 +186,87 @@ async def test_a_consumer_the_broker_cancels_consumes_again_on_the_queue_declare
         await wait_until(processed, timeout=30, interval=0.5)
         assert consumer.consuming
         await channel.close()
+
+
+async def _consumers(amqp: AbstractRobustConnection, settings: Settings) -> int:
+    channel = await amqp.channel()
+    declared = await channel.declare_queue(settings.queue, passive=True)
+    await channel.close()
+    count = declared.declaration_result.consumer_count
+    assert count is not None
+    return count
+
+
+async def test_a_subscription_cancelled_across_a_reconnect_stays_cancelled_and_resumes_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    release, entered = asyncio.Event(), asyncio.Event()
+    release.set()
+    router = _holding_router(release, entered)
+    broker = urlsplit(settings.amqp_url)
+    async with (
+        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
+        _consumer_through(settings, router, engine, proxy) as consumer,
+    ):
+        # Given a consumer paused (its subscription cancelled, as the pause gate does)
+        subscription = consumer.subscription
+        assert subscription.channel is not None
+        old = await subscription.channel.get_underlay_channel()
+        await subscription.cancel()
+
+        # When its connection is cut and comes back (the channel reopens)
+        await proxy.down()
+        await wait_until(lambda: _closed(old), timeout=30)
+        await proxy.up()
+
+        async def reopened() -> bool:
+            channel = subscription.channel
+            if channel is None or channel.is_closed:
+                return False
+            underlay = await channel.get_underlay_channel()
+            return underlay is not old and not underlay.is_closed
+
+        await wait_until(reopened, timeout=60)
+
+        # Then the reopened channel does not consume, and health says so
+        assert not consumer.consuming
+        assert await _consumers(amqp, settings) == 0
+
+        # And resuming (twice, as a retried resume may) attaches exactly one consumer
+        await subscription.consume()
+        await subscription.consume()
+        assert consumer.consuming
+        assert await _consumers(amqp, settings) == 1
+
+        # And a reconnect while it consumes consumes again once, on the new channel
+        current = subscription._underlay
+        await proxy.down()
+        await wait_until(lambda: _closed(current), timeout=30)
+        await proxy.up()
+        await wait_until(lambda: _consuming_anew(consumer, current), timeout=60)
+        assert await _consumers(amqp, settings) == 1
+
+
+async def test_a_consumer_resuming_while_the_broker_is_unreachable_still_stops(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    release, entered = asyncio.Event(), asyncio.Event()
+    release.set()
+    router = _holding_router(release, entered)
+    broker = urlsplit(settings.amqp_url)
+    async with (
+        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
+        _consumer_through(settings, router, engine, proxy) as consumer,
+    ):
+        # Given a consumer whose broker cannot be reached
+        old = consumer.subscription._underlay
+        await proxy.down()
+        await wait_until(lambda: _closed(old), timeout=30)
+
+        # When it pauses (PostgreSQL answers at once, so it resumes while the broker is away)
+        await consumer.gate.pause(PauseReason.DATABASE_UNREACHABLE, "a test's pause")
+        await asyncio.sleep(0.5)  # (its resume is under way)
+
+        # Then stopping it ends (its resume gives up instead of waiting for the broker)
+        await asyncio.wait_for(consumer.stop(grace=5), 30)
+        await proxy.up()

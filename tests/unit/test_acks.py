@@ -25,6 +25,11 @@ class Channel:
     ) -> None:
         self.sent.append(("nack", delivery_tag, multiple))
 
+    @property
+    def closing(self) -> asyncio.Future[None]:
+        """An observer of the channel's close (it never closes)."""
+        return asyncio.get_running_loop().create_future()
+
 
 @dataclass
 class Delivery:
@@ -101,6 +106,7 @@ class DyingConnection:
         self.slots = asyncio.Semaphore(self.room)
 
     is_closed = False  # (as aiormq's, it fails what it was given to write instead)
+    closing = Channel.closing  # (never done: what waits for room ends on its own here)
 
     async def basic_ack(self, delivery_tag: int, multiple: bool = False) -> None:
         if self.closed.is_set():

@@ -21,7 +21,9 @@ each delivery is settled once: a second settlement of a tag is dropped here (on 
 broker would close the channel for it). Settlements are issued one at a time, in order, each
 after the last was written, so none overtakes another. (Not together: the client's write queue
 is bounded, and on a connection that dies with settlements still queued, one waiting for room
-there would wait for ever, holding up every settlement after it.)
+there would wait for ever, holding up every settlement after it.) Each ends once its channel has
+closed, if not before (``closing.until_closed``): a write caught waiting for room in a dead
+connection's full queue would otherwise hold the lock every later settlement waits on.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from worker.telemetry import Count, Telemetry
+from worker.transport.closing import until_closed
 from worker.transport.deliveries import Received
 
 log = logging.getLogger(__name__)
@@ -160,7 +163,8 @@ class Settlements:
                 return
             state.settled(message.delivery_tag)
             await _issue(
-                message.channel.basic_nack(message.delivery_tag, multiple=False, requeue=requeue)
+                message,
+                message.channel.basic_nack(message.delivery_tag, multiple=False, requeue=requeue),
             )
             if state.held:  # it may have been what they waited for
                 await self._ack_held(state)
@@ -176,7 +180,7 @@ class Settlements:
             for tag in run:
                 state.settled(tag)
                 del state.held[tag]
-            await _issue(last.channel.basic_ack(last.delivery_tag, multiple=len(run) > 1))
+            await _issue(last, last.channel.basic_ack(last.delivery_tag, multiple=len(run) > 1))
             sent = int(len(run) > 1)
             self._telemetry.count(Count.MULTIPLE_ACKS, sent)
         if state.held and not state.may_wait():
@@ -199,7 +203,7 @@ class Settlements:
             state.settled(tag)
             del state.held[tag]
         for tag, message in alone:
-            await _issue(message.channel.basic_ack(tag, multiple=False))
+            await _issue(message, message.channel.basic_ack(tag, multiple=False))
 
 
 def channel_closed(message: Received) -> bool:
@@ -240,9 +244,10 @@ def _void(messages: list[Received]) -> None:
     )
 
 
-async def _issue(settlement: Any) -> None:
-    """Await an ack or nack; on a dead channel the tag is void and the broker redelivers."""
+async def _issue(message: Received, settlement: Any) -> None:
+    """Await an ack or nack of ``message`` until its channel closes (``closing.until_closed``);
+    on a dead channel the tag is void and the broker redelivers."""
     try:
-        await settlement
+        await until_closed(message.channel, settlement)
     except Exception as exc:
         log.warning("could not settle a delivery (the broker will redeliver it): %r", exc)

@@ -4,11 +4,12 @@ aio-pika ``Message`` per publish: the relay's rows and the consumer's failure co
 Invariant: ``publish_confirmed`` returns only once the broker confirmed the message; a message it
 returned as unroutable raises ``PublishError``, one it nacked ``DeliveryError``, one lost with its
 channel the channel's error: never a silent success. Many publishes may be in flight on one
-channel at once (pipelined), each awaiting its own confirm. A publish does not wait for its frames
-to be written to the socket (``wait=False``), only for the confirm: the writer's drain is no part
-of the guarantee, and waiting for it held the channel's publish lock one event-loop round per
-message (client CPU per publish, relay path: aio-pika Message 138 us, lean with the drain 115 us,
-lean without it 103 us, medians of 3 alternating rounds on the shared 2-core box).
+channel at once (pipelined), each awaiting its own confirm, but never two of one message id (a
+return names only the message id: it could be taken for the other's). A publish does not wait for
+its frames to be written to the socket (``wait=False``), only for the confirm: the writer's drain
+is no part of the guarantee, and waiting for it held the channel's publish lock one event-loop
+round per message (client CPU per publish, relay path: aio-pika Message 138 us, lean with the
+drain 115 us, lean without it 103 us, medians of 3 alternating rounds on the shared 2-core box).
 
 The properties are built here directly (a pamqp ``Basic.Properties``), exactly as aio-pika's
 ``Message.properties`` would hold them (persistent, priority 0): a consumer sees the same message
@@ -17,6 +18,7 @@ either way.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime
 from typing import Any
 
@@ -27,6 +29,7 @@ from pamqp.commands import Basic
 
 from worker.core.envelope import CORRELATION_HEADER
 from worker.sql.outbox import OutboxRow
+from worker.transport.closing import until_closed
 
 PERSISTENT = 2
 """AMQP ``delivery_mode`` of a message the broker writes to disk."""
@@ -114,6 +117,8 @@ async def publish_confirmed(
 ) -> None:
     """Publish ``body`` with ``mandatory`` on ``channel`` (publisher confirms on) and return once
     the broker confirmed it (see the module docstring for what raises)."""
+    if properties.message_id is not None:
+        await _after_the_same_id(channel, properties.message_id)
     if channel.is_closed:
         raise aiormq.exceptions.ChannelInvalidStateError(f"{channel!r} is closed")
     confirmation = await channel.basic_publish(
@@ -130,6 +135,22 @@ async def publish_confirmed(
         raise aiormq.exceptions.DeliveryError(None, confirmation)  # type: ignore[arg-type]
 
 
+async def _after_the_same_id(channel: Channel, message_id: str) -> None:
+    """Wait until no publish of ``message_id`` is in flight on ``channel``.
+
+    aiormq matches a returned message to its publish by message id: with two of one id in
+    flight, the return of one fails the other, and the returned one's ack then confirms it (an
+    unroutable message taken for published, the routed one for returned). Two deliveries of one
+    message id (a producer's or the relay's republish) may be copied at once.
+    """
+    while message_id in channel.message_id_delivery_tag:
+        pending = channel.confirmations.get(channel.message_id_delivery_tag[message_id])
+        if isinstance(pending, asyncio.Future) and not pending.done():
+            await asyncio.wait([pending])  # (its outcome is its own publisher's)
+        else:  # settled: aiormq forgets the id in a callback soon
+            await asyncio.sleep(0)
+
+
 async def publish_on(
     channel: AbstractChannel,
     body: bytes,
@@ -139,6 +160,10 @@ async def publish_on(
     routing_key: str,
 ) -> None:
     """``publish_confirmed`` on the aiormq channel under ``channel`` now: one publish, as
-    aio-pika's ``Exchange.publish`` would do it, without its ``Message``."""
+    aio-pika's ``Exchange.publish`` would do it, without its ``Message``; it ends once that
+    channel closes, if not before (``closing.until_closed``: a failure copy has no other bound)."""
     underlay = await channel_of(channel)
-    await publish_confirmed(underlay, body, properties, exchange=exchange, routing_key=routing_key)
+    await until_closed(
+        underlay,
+        publish_confirmed(underlay, body, properties, exchange=exchange, routing_key=routing_key),
+    )

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiormq.abc
+import aiormq.exceptions
 from aio_pika.abc import AbstractRobustChannel, AbstractRobustConnection
 from pamqp.commands import Basic
 
@@ -84,10 +85,16 @@ class Subscription:
 
     async def consume(self) -> None:
         """Consume the work queue, deliveries to ``on_message``, now and after each reopen of
-        the channel until ``cancel``."""
+        the channel until ``cancel``. Raises ``ChannelInvalidStateError`` while the channel is
+        closed (its reopen consumes): it never waits for the broker to come back, so a resume
+        under way never holds up a stop."""
         assert self.channel is not None
         async with self._switching:
             self._wanted = True
+            if self.channel.is_closed:  # (its underlay would wait for the reconnect)
+                raise aiormq.exceptions.ChannelInvalidStateError(
+                    f"{self.channel!r} is closed; it consumes once it reopens"
+                )
             await self._consume_on(await self.channel.get_underlay_channel())
 
     async def cancel(self) -> None:
