@@ -10,6 +10,7 @@ from datetime import datetime
 from typing import Any
 from urllib.parse import urlsplit
 
+import aio_pika
 import asyncpg
 import pytest
 from aio_pika.abc import AbstractChannel, AbstractRobustConnection
@@ -45,7 +46,6 @@ from worker.settings import Settings
 from worker.sql.inbox import record_failures
 from worker.sql.rows import MAX_ATTEMPTS, KeyClaim
 from worker.telemetry import Count
-from worker.transport.dead_letters import copy_of
 
 ROUTING_KEY = "flaky.job"
 
@@ -274,7 +274,14 @@ async def test_a_replay_copy_sent_twice_runs_once(
         dead_letter_exchange = await channel.get_exchange(settings.dead_letter_exchange)
         for _ in range(2):
             await dead_letter_exchange.publish(
-                copy_of(parked, parked.headers), routing_key=ROUTING_KEY
+                aio_pika.Message(
+                    parked.body,
+                    headers=parked.headers,
+                    message_id=parked.message_id,
+                    content_type=parked.content_type,
+                    delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+                ),
+                routing_key=ROUTING_KEY,
             )
 
         # When both copies are replayed

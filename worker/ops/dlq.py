@@ -52,8 +52,9 @@ from worker.transport.dead_letters import (
     PARKING_ID,
     REASON,
     body_digest,
-    copy_of,
+    copy_properties,
 )
+from worker.transport.publisher import publish_on
 
 UNVERIFIED = "unverified"
 """The reason a copy without the worker's record of it is listed with (its own is a claim)."""
@@ -529,9 +530,8 @@ async def _replay_one(
             await inbox.clear_failure(conn, parked.handler, parked.key)
     headers = _fresh_headers(message.headers or {})
     headers[ORIGINAL_ROUTING_KEY] = parked.routing_key
-    await channel.default_exchange.publish(
-        copy_of(message, headers), routing_key=settings.queue, mandatory=True
-    )
+    properties = copy_properties(message, headers)
+    await publish_on(channel, message.body, properties, exchange="", routing_key=settings.queue)
     await message.ack()
 
 

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from aio_pika import DeliveryMode, Message
 from aio_pika.abc import AbstractChannel
 from pamqp.commands import Basic
 from pamqp.encode import field_table
@@ -168,35 +167,14 @@ def cause_of(exc: BaseException) -> BaseException:
     return exc.__cause__ if isinstance(exc, HandlerFailed) and exc.__cause__ else exc
 
 
-def copy_of(message: Copyable, headers: Mapping[str, Any]) -> Message:
-    """A persistent copy of ``message`` with ``headers`` (made ``encodable``) instead of its own."""
-    return Message(
-        body=message.body,
-        headers=encodable(headers),
-        content_type=message.content_type,
-        content_encoding=message.content_encoding,
-        correlation_id=message.correlation_id,
-        message_id=message.message_id,
-        timestamp=message.timestamp,
-        type=message.type,
-        app_id=message.app_id,
-        delivery_mode=DeliveryMode.PERSISTENT,
-    )
-
-
 BROKER_HEADERS = frozenset({"x-delivery-count"})
 """Headers a quorum queue sets on each delivery: a copy leaves them off (its queue counts anew)."""
 
 
-def moved_copy(message: Copyable) -> Message:
-    """A persistent copy of ``message`` as it was published, to put in a queue again through the
-    default exchange: a message that came through another exchange keeps the routing key it came
-    with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
-    return copy_of(message, moved_headers(message))
-
-
 def moved_headers(message: Copyable) -> dict[str, Any]:
-    """The headers of ``moved_copy(message)``."""
+    """The headers of ``message``'s copy as it was published, to put in a queue again through the
+    default exchange (``move``): a message that came through another exchange keeps the routing
+    key it came with as ``ORIGINAL_ROUTING_KEY`` (the consumer routes by it)."""
     headers = {k: v for k, v in (message.headers or {}).items() if k not in BROKER_HEADERS}
     if message.exchange:
         headers[ORIGINAL_ROUTING_KEY] = message.routing_key or ""
@@ -204,7 +182,8 @@ def moved_headers(message: Copyable) -> dict[str, Any]:
 
 
 def copy_properties(message: Copyable, headers: Mapping[str, Any]) -> Basic.Properties:
-    """The properties of ``copy_of(message, headers)``, built without its ``Message``."""
+    """The properties of a persistent copy of ``message`` with ``headers`` (made ``encodable``)
+    instead of its own: the rest of its properties as they were."""
     return persistent(
         message_id=message.message_id,
         headers=encodable(headers),
@@ -254,7 +233,7 @@ async def schedule_retry(
 
 
 async def move(channel: AbstractChannel, message: Copyable, *, queue: str) -> None:
-    """Publish ``moved_copy(message)`` to ``queue`` through the default exchange, and wait for
-    the broker's confirm."""
+    """Publish ``message``'s copy with ``moved_headers`` to ``queue`` through the default
+    exchange, and wait for the broker's confirm."""
     properties = copy_properties(message, moved_headers(message))
     await publish_on(channel, message.body, properties, exchange="", routing_key=queue)

@@ -17,8 +17,8 @@ from pamqp.commands import Basic
 
 
 class Copyable(Protocol):
-    """What a copy of a delivery (``dead_letters.copy_of``) reads of it: a ``Received``, or an
-    aio-pika message an operator command took with ``basic.get``."""
+    """What a copy of a delivery (``dead_letters.copy_properties``) reads of it: a ``Received``,
+    or an aio-pika message an operator command took with ``basic.get``."""
 
     @property
     def body(self) -> bytes: ...

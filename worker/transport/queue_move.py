@@ -34,7 +34,7 @@ from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobus
 from aiormq.exceptions import ChannelNotFoundEntity, ChannelPreconditionFailed
 
 from worker.settings import Settings
-from worker.transport.dead_letters import moved_copy
+from worker.transport.dead_letters import move
 from worker.transport.topology import declare_exchanges, declare_topology, queue_arguments
 
 log = logging.getLogger(__name__)
@@ -156,16 +156,7 @@ async def _move(channel: AbstractChannel, source: str, target: str) -> int:
             taken.append(message)
         if not taken:
             return moved
-        await asyncio.gather(
-            *(
-                channel.default_exchange.publish(
-                    moved_copy(message),
-                    routing_key=target,
-                    mandatory=True,
-                )
-                for message in taken
-            )
-        )
+        await asyncio.gather(*(move(channel, message, queue=target) for message in taken))
         await taken[-1].ack(multiple=True)
         moved += len(taken)
 
