@@ -44,22 +44,28 @@ def _holding_router(release: asyncio.Event, entered: asyncio.Event) -> Router:
 
 
 @asynccontextmanager
-async def _consumer_through(
-    settings: Settings, router: Router, engine: AsyncEngine, proxy: TcpProxy
-) -> AsyncIterator[Consumer]:
-    """A started consumer whose broker connection (named uniquely) goes through ``proxy``."""
+async def _consumer_through_a_proxy(
+    settings: Settings, engine: AsyncEngine, router: Router | None = None
+) -> AsyncIterator[tuple[Consumer, TcpProxy]]:
+    """A started consumer of ``router`` (default: one whose handler never waits) whose broker
+    connection (named uniquely) goes through a TCP proxy of its own, and that proxy."""
+    if router is None:
+        release = asyncio.Event()
+        release.set()
+        router = _holding_router(release, asyncio.Event())
     broker = urlsplit(settings.amqp_url)
-    url = settings.amqp_url.replace(
-        broker.netloc, f"{broker.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}"
-    )
-    connection = await connect(url, name=f"test-consume-reconnect-{uuid.uuid4().hex[:8]}")
-    consumer = Consumer(settings, router, engine, connection)
-    try:
-        await consumer.start()
-        yield consumer
-    finally:
-        await consumer.stop(grace=5)
-        await connection.close()
+    async with tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy:
+        url = settings.amqp_url.replace(
+            broker.netloc, f"{broker.netloc.rpartition('@')[0]}@127.0.0.1:{proxy.port}"
+        )
+        connection = await connect(url, name=f"test-consume-reconnect-{uuid.uuid4().hex[:8]}")
+        consumer = Consumer(settings, router, engine, connection)
+        try:
+            await consumer.start()
+            yield consumer, proxy
+        finally:
+            await consumer.stop(grace=5)
+            await connection.close()
 
 
 async def _run_a_batch_across(
@@ -74,11 +80,7 @@ async def _run_a_batch_across(
     release, entered = asyncio.Event(), asyncio.Event()
     router = _holding_router(release, entered)
     one_batch = settings.replace(batch_size=BATCH, concurrency=1, prefetch=50, batch_linger=0.2)
-    broker = urlsplit(settings.amqp_url)
-    async with (
-        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
-        _consumer_through(one_batch, router, engine, proxy) as consumer,
-    ):
+    async with _consumer_through_a_proxy(one_batch, engine, router) as (consumer, proxy):
         channel = await amqp.channel(publisher_confirms=True)
         for n in range(BATCH):
             await publish(channel, settings, f"first-{n}", key=f"first-{n}", routing_key="held")
@@ -153,14 +155,7 @@ async def test_a_batch_across_a_lost_connection_or_channel_loses_nothing_and_con
 async def test_a_consumer_the_broker_cancels_consumes_again_on_the_queue_declared_anew(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    release, entered = asyncio.Event(), asyncio.Event()
-    release.set()
-    router = _holding_router(release, entered)
-    broker = urlsplit(settings.amqp_url)
-    async with (
-        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
-        _consumer_through(settings, router, engine, proxy) as consumer,
-    ):
+    async with _consumer_through_a_proxy(settings, engine) as (consumer, _):
         # Given a consuming worker
         assert consumer.consuming
         # When its work queue is deleted under it (the broker cancels its consumer)
@@ -189,14 +184,7 @@ async def _consumers(amqp: AbstractRobustConnection, settings: Settings) -> int:
 async def test_a_subscription_cancelled_across_a_reconnect_stays_cancelled_and_resumes_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    release, entered = asyncio.Event(), asyncio.Event()
-    release.set()
-    router = _holding_router(release, entered)
-    broker = urlsplit(settings.amqp_url)
-    async with (
-        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
-        _consumer_through(settings, router, engine, proxy) as consumer,
-    ):
+    async with _consumer_through_a_proxy(settings, engine) as (consumer, proxy):
         # Given a consumer paused (its subscription cancelled, as the pause gate does)
         subscription = consumer.subscription
         assert subscription.channel is not None
@@ -239,14 +227,7 @@ async def test_a_subscription_cancelled_across_a_reconnect_stays_cancelled_and_r
 async def test_a_consumer_resuming_while_the_broker_is_unreachable_still_stops(
     settings: Settings, engine: AsyncEngine
 ) -> None:
-    release, entered = asyncio.Event(), asyncio.Event()
-    release.set()
-    router = _holding_router(release, entered)
-    broker = urlsplit(settings.amqp_url)
-    async with (
-        tcp_proxy(broker.hostname or "127.0.0.1", broker.port or 5672) as proxy,
-        _consumer_through(settings, router, engine, proxy) as consumer,
-    ):
+    async with _consumer_through_a_proxy(settings, engine) as (consumer, proxy):
         # Given a consumer whose broker cannot be reached
         old = consumer.subscription._underlay
         await proxy.down()
