@@ -437,15 +437,28 @@ async def check_payments(bench: Bench, scenario: str, *, notices: bool = False) 
 # The scenarios
 
 
-async def bare_consume(bench: Bench) -> Timing:
-    """(a) A consumer that only acks: the broker and client ceiling."""
-    queue_name = bench.names("a").queue
+@contextlib.asynccontextmanager
+async def preloaded_for_a_consumer(
+    bench: Bench, key: str
+) -> AsyncIterator[tuple[AbstractChannel, str]]:
+    """Scenario ``key``'s queue preloaded with the plan's messages, and a channel of a connection
+    of its own with the worker's prefetch to consume it on; both gone afterwards."""
+    queue_name = bench.names(key).queue
     queue = await bench.channel.declare_queue(queue_name, durable=True)
-    connection = await runner.connect_broker(bench.settings, name="bench-a")
+    connection = await runner.connect_broker(bench.settings, name=f"bench-{key}")
     try:
         await preload(bench, bench.channel.default_exchange, queue_name)
         channel = await connection.channel()
         await channel.set_qos(prefetch_count=bench.settings.prefetch)
+        yield channel, queue_name
+    finally:
+        await connection.close()
+        await queue.delete(if_unused=False, if_empty=False)
+
+
+async def bare_consume(bench: Bench) -> Timing:
+    """(a) A consumer that only acks: the broker and client ceiling."""
+    async with preloaded_for_a_consumer(bench, "a") as (channel, queue_name):
         consumed = await channel.get_queue(queue_name, ensure=False)
         acked = 0
 
@@ -459,9 +472,6 @@ async def bare_consume(bench: Bench) -> Timing:
 
         await consumed.consume(on_message)
         return await timed(finished, bench.options.timeout)
-    finally:
-        await connection.close()
-        await queue.delete(if_unused=False, if_empty=False)
 
 
 LIMIT_ACK_EVERY = 100
@@ -471,13 +481,7 @@ LIMIT_ACK_EVERY = 100
 async def aiormq_consume(bench: Bench) -> Timing:
     """(a-limit) (a) on aiormq's ``basic_consume``, one multiple-ack per ``LIMIT_ACK_EVERY``
     deliveries (and one for the rest at the end)."""
-    queue_name = bench.names("a-limit").queue
-    queue = await bench.channel.declare_queue(queue_name, durable=True)
-    connection = await runner.connect_broker(bench.settings, name="bench-a-limit")
-    try:
-        await preload(bench, bench.channel.default_exchange, queue_name)
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=bench.settings.prefetch)
+    async with preloaded_for_a_consumer(bench, "a-limit") as (channel, queue_name):
         underlay = await channel.get_underlay_channel()
         total, received = len(bench.plan.sends), 0
 
@@ -492,9 +496,6 @@ async def aiormq_consume(bench: Bench) -> Timing:
 
         await underlay.basic_consume(queue_name, on_message)
         return await timed(finished, bench.options.timeout)
-    finally:
-        await connection.close()
-        await queue.delete(if_unused=False, if_empty=False)
 
 
 LEDGER_INSERT = """
