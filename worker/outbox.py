@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable, Mapping
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.exc import InvalidRequestError
@@ -29,7 +30,7 @@ from worker.settings import field
 from worker.sql import outbox
 from worker.sql.driver import Connection, NotInTransaction
 
-__all__ = ["Event", "NotInTransaction", "engine_from_env", "publish", "publish_many"]
+__all__ = ["Event", "NotInTransaction", "cancel", "engine_from_env", "publish", "publish_many"]
 
 
 def default_exchange() -> str:
@@ -51,6 +52,8 @@ async def publish(
     message_id: uuid.UUID | None = None,
     correlation_id: str | None = None,
     content_type: str | None = None,
+    delay: timedelta | None = None,
+    at: datetime | None = None,
 ) -> uuid.UUID:
     """Append one event to the outbox in ``conn``'s open transaction; return its message id.
 
@@ -65,6 +68,11 @@ async def publish(
     defaults to ``default_exchange()``. An event the broker or the outbox could never take (a
     routing key over 255 bytes, a NUL character, a body JSON cannot encode) raises
     ``ValueError`` or ``TypeError`` here, before anything is written.
+
+    ``delay`` or ``at`` (not both) schedules the event: it is published once the *database's*
+    clock reaches ``now() + delay`` (``now()``: the start of this transaction) or ``at`` (an
+    aware datetime; a naive one is a ``ValueError``), never before, at least once (see
+    docs/scheduling.md). Until then ``cancel(conn, message_id)`` takes it back.
     """
     event = Event(
         routing_key,
@@ -76,6 +84,8 @@ async def publish(
         message_id=message_id,
         correlation_id=correlation_id,
         content_type=content_type,
+        delay=delay,
+        at=at,
     )
     (published,) = await publish_many(conn, [event])
     return published
@@ -91,6 +101,18 @@ async def publish_many(conn: Connection | AsyncSession, events: Iterable[Event])
         return []
     await outbox.append_outbox(await _connection(conn), messages, notify=True)
     return [message.message_id for message in messages]
+
+
+async def cancel(conn: Connection | AsyncSession, message_id: uuid.UUID) -> bool:
+    """Take back the unpublished event ``message_id`` in ``conn``'s open transaction.
+
+    True if the event had not been published and, once this transaction commits, never will be
+    (it was scheduled, or waiting in the outbox for a relay); False if it was published already,
+    parked by the relay, cancelled before, or never existed. An event a relay is publishing at
+    this moment is waited for: the answer is False once that relay has committed it. A rollback
+    of this transaction undoes the cancel.
+    """
+    return await outbox.cancel(await _connection(conn), message_id)
 
 
 async def _connection(conn: Connection | AsyncSession) -> Connection:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any, overload
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
@@ -18,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from worker.core.connection import HandlerConnection, HandlerSession
 from worker.core.envelope import Envelope
 from worker.core.events import Event
+from worker.sql import outbox as outbox_sql
 from worker.sql.rows import OutboxMessage
 
 
@@ -98,12 +100,15 @@ class Context(_Session):
         ordering_key: str | None = None,
         content_type: str | None = None,
         message_id: uuid.UUID | None = None,
+        delay: timedelta | None = None,
+        at: datetime | None = None,
     ) -> uuid.UUID:
         """Record an event in the outbox of this transaction and return its stable message id.
 
         ``body`` is JSON-encoded unless it is ``bytes`` (then give ``content_type``). The event
         goes to ``exchange`` (default: the worker's exchange) once the transaction commits; it
-        carries the incoming message's correlation id, and its key as causation id.
+        carries the incoming message's correlation id, and its key as causation id. ``delay`` or
+        ``at`` schedules it, as ``worker.outbox.publish`` does.
         """
         message = Event(
             routing_key,
@@ -113,6 +118,8 @@ class Context(_Session):
             exchange=exchange,
             message_id=message_id,
             content_type=content_type,
+            delay=delay,
+            at=at,
         ).to_outbox(
             self.default_exchange,
             causation_id=self.envelope.key,
@@ -120,6 +127,16 @@ class Context(_Session):
         )
         self.outbox.append(message)
         return message.message_id
+
+    async def cancel(self, message_id: uuid.UUID) -> bool:
+        """Take back the unpublished event ``message_id`` in this transaction (as
+        ``worker.outbox.cancel``): one this handler published earlier in this transaction is
+        dropped before it is written; True if the event will now never be published."""
+        for position, message in enumerate(self.outbox):
+            if message.message_id == message_id:
+                del self.outbox[position]
+                return True
+        return await outbox_sql.cancel(self.connection, message_id)
 
 
 class Batch(_Session, Sequence[Context]):

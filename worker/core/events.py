@@ -13,6 +13,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime, timedelta
 from typing import Any
 
 from worker import tracing
@@ -24,6 +25,10 @@ from worker.sql.rows import OutboxMessage
 MAX_SHORT_STRING_BYTES = 255
 """AMQP's limit for an exchange name and a routing key (a ``shortstr``), in UTF-8 bytes."""
 
+MAX_DELAY = timedelta(days=36_525)
+"""The longest ``delay`` an event may be scheduled with (a hundred years): anything longer is a
+unit mistake, and past PostgreSQL's timestamps."""
+
 
 @dataclass(frozen=True)
 class Event:
@@ -31,7 +36,10 @@ class Event:
 
     ``body`` is JSON-encoded unless it is ``bytes`` (then say what it is with ``content_type``).
     ``key`` becomes the event's ``idempotency-key`` header, so that a consumer of the event
-    deduplicates it by that key; without one, a consumer keys it by its message id.
+    deduplicates it by that key; without one, a consumer keys it by its message id. ``delay`` (a
+    ``timedelta``, from the start of the transaction by the database's clock) or ``at`` (an aware
+    ``datetime``) schedules the event: the relay publishes it once the database's clock says it
+    is due, never before.
     """
 
     routing_key: str
@@ -43,6 +51,8 @@ class Event:
     message_id: uuid.UUID | None = None
     correlation_id: str | None = None
     content_type: str | None = None
+    delay: timedelta | None = None
+    at: datetime | None = None
 
     def to_outbox(
         self,
@@ -70,6 +80,7 @@ class Event:
         else:
             payload, kind = encode_json(self.body), self.content_type or JSON_CONTENT_TYPE
         _check_text("content_type", kind)
+        due_in, due_at = due(self.delay, self.at)
         headers = dict(self.headers or {})
         key = self.key if self.key is not None else headers.get(IDEMPOTENCY_KEY_HEADER)
         if key is None and keyed:
@@ -95,7 +106,32 @@ class Event:
             correlation_id=correlation,
             causation_id=causation_id,
             ordering_key=self.ordering_key,
+            due_in=due_in,
+            due_at=due_at,
         )
+
+
+def due(delay: timedelta | None, at: datetime | None) -> tuple[float | None, datetime | None]:
+    """When a scheduled event is due, as ``OutboxMessage`` keeps it: seconds from the start of the
+    transaction, or an aware instant; (None, None) for an event due at once. ``TypeError`` or
+    ``ValueError`` for both at once, a naive ``at``, or a negative or absurd ``delay``."""
+    if delay is not None and at is not None:
+        raise ValueError("give delay or at, not both")
+    if delay is not None:
+        if not isinstance(delay, timedelta):
+            raise TypeError(f"delay must be a datetime.timedelta, not {type(delay).__name__}")
+        if delay < timedelta(0):
+            raise ValueError("delay is negative")
+        if delay > MAX_DELAY:
+            raise ValueError(f"delay is longer than {MAX_DELAY.days} days")
+        return delay.total_seconds(), None
+    if at is not None:
+        if not isinstance(at, datetime):
+            raise TypeError(f"at must be a datetime.datetime, not {type(at).__name__}")
+        if at.tzinfo is None or at.tzinfo.utcoffset(at) is None:
+            raise ValueError("at is a naive datetime; give one with a timezone (e.g. UTC)")
+        return None, at
+    return None, None
 
 
 def _check_short_string(name: str, value: object, *, empty_ok: bool = False) -> None:

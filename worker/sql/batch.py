@@ -16,7 +16,14 @@ from typing import Any
 
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.inbox import completion_arrays
-from worker.sql.outbox import NOTIFY_RELAYS, ORDERING_LOCK_CLASS, event_arrays, ordering_keys_of
+from worker.sql.outbox import (
+    NOTIFY_RELAYS,
+    ORDERING_LOCK_CLASS,
+    append_scheduled,
+    event_arrays,
+    ordering_keys_of,
+    split_scheduled,
+)
 from worker.sql.rows import InboxKey, OutboxMessage
 
 FINISH_BATCH = f"""
@@ -62,8 +69,11 @@ async def finish_batch(
 ) -> None:
     """Mark each (handler, key, result) completed with its result, release the ``released``
     claims and append ``events`` (with ``notify``: one NOTIFY to relays at commit), in one
-    statement in ``conn``'s transaction."""
+    statement in ``conn``'s transaction; scheduled events, if any, in a second one."""
     driver = await in_transaction(conn)
+    events, scheduled = split_scheduled(events)
+    if scheduled:
+        await append_scheduled(driver, scheduled, notify=notify)
     await driver.execute(
         FINISH_BATCH,
         *completion_arrays(completed),

@@ -1,5 +1,15 @@
 """The outbox's statements: appending events in the caller's transaction (ordering-key
-locks, NOTIFY), and claiming, deleting or failing rows for a relay.
+locks, NOTIFY), claiming, deleting or failing rows for a relay, and scheduled events.
+
+Scheduled events are kept in ``outbox_scheduled`` until the database's clock says they are due,
+then moved into ``outbox``, where a relay claims them like any other event. Invariant: a
+scheduled event is never in ``outbox`` before its ``due_at`` by ``now()`` of the database, so no
+relay can publish it early, whatever the clocks of the processes say. Keeping future events out of
+``outbox`` keeps the relay's claim as fast with a million of them waiting as with none, and gives
+an ordering key its meaning: a scheduled event takes its place in its key's order when it is
+moved, i.e. when it is due. It never holds back the key's events due before it; events of one
+key due at the same instant are moved in the order they were scheduled (``due_at, id``), in one
+transaction that holds the key's ordering lock.
 
 Each statement is a named constant written whole, with fixed ``$1..$n`` parameters, run on the
 asyncpg connection of the caller's transaction (``driver.in_transaction``) as a prepared
@@ -105,12 +115,27 @@ async def append_outbox(
     sorted, so two transactions cannot deadlock on them). Rows of one ordering key therefore get
     their ids in commit order, and a row is only ever visible after every earlier row of its key.
     With ``notify``, one NOTIFY on ``OUTBOX_CHANNEL`` is delivered to listening relays at commit.
+    A scheduled event (``OutboxMessage.scheduled``) goes to ``outbox_scheduled`` instead, with
+    no lock (``append_scheduled``).
     """
-    if not messages:
+    immediate, scheduled = split_scheduled(messages)
+    if scheduled:
+        await append_scheduled(conn, scheduled, notify=notify)
+    if not immediate:
         return
     driver = await in_transaction(conn)
-    await lock_ordering_keys(driver, ordering_keys_of(messages), notify=notify)
-    await driver.execute(APPEND_OUTBOX, *event_arrays(messages))
+    await lock_ordering_keys(driver, ordering_keys_of(immediate), notify=notify)
+    await driver.execute(APPEND_OUTBOX, *event_arrays(immediate))
+
+
+def split_scheduled(
+    messages: Sequence[OutboxMessage],
+) -> tuple[list[OutboxMessage], list[OutboxMessage]]:
+    """``messages`` as (due at once, scheduled), each in the given order."""
+    immediate = [m for m in messages if not m.scheduled]
+    if len(immediate) == len(messages):
+        return immediate, []
+    return immediate, [m for m in messages if m.scheduled]
 
 
 @dataclass(frozen=True)
@@ -256,3 +281,151 @@ async def fail_outbox(
     )
     rows = await driver.fetch(PARK_OUTBOX_ROWS, list(errors), max_attempts)
     return [row_id for (row_id,) in rows]
+
+
+# Scheduled events
+
+SCHEDULED_NOTICE = "scheduled"
+"""The payload of the NOTIFY on ``OUTBOX_CHANNEL`` sent by a commit that scheduled events: it
+tells a relay that the earliest due time may have moved closer."""
+
+MOVER_LOCK_CLASS = 7_262_002
+"""First key of the transaction-scoped advisory lock that lets one relay at a time move due
+events (two movers could interleave one key's events due at the same instant)."""
+
+APPEND_SCHEDULED = f"""
+WITH notified AS (
+    SELECT count(pg_notify('{OUTBOX_CHANNEL}', '{SCHEDULED_NOTICE}')) WHERE $12::boolean
+)
+INSERT INTO outbox_scheduled (message_id, exchange, routing_key, body, content_type, headers,
+                              correlation_id, causation_id, ordering_key, due_at)
+SELECT m.message_id, m.exchange, m.routing_key, m.body, m.content_type, m.headers::jsonb,
+       m.correlation_id, m.causation_id, m.ordering_key,
+       coalesce(m.due_at, now() + make_interval(secs => m.due_in))
+FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[],
+            $6::text[], $7::text[], $8::text[], $9::text[], $10::float8[], $11::timestamptz[])
+     WITH ORDINALITY AS m(message_id, exchange, routing_key, body, content_type, headers,
+                          correlation_id, causation_id, ordering_key, due_in, due_at, position)
+WHERE (SELECT * FROM notified) >= 0
+ORDER BY m.position
+"""
+"""Insert the scheduled events given as eleven arrays (``scheduled_arrays``), in their order, each
+due at its ``due_at``, else ``due_in`` seconds after the transaction's start (``now()``); with
+``$12``, one NOTIFY ``SCHEDULED_NOTICE`` for relays at commit."""
+
+
+def scheduled_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
+    """The eleven arrays ``APPEND_SCHEDULED`` takes, one element per message."""
+    return [
+        [m.message_id for m in messages],
+        [m.exchange for m in messages],
+        [m.routing_key for m in messages],
+        [m.body for m in messages],
+        [m.content_type for m in messages],
+        [json.dumps(to_jsonable(m.headers)) for m in messages],
+        [m.correlation_id for m in messages],
+        [m.causation_id for m in messages],
+        [m.ordering_key for m in messages],
+        [m.due_in for m in messages],
+        [m.due_at for m in messages],
+    ]
+
+
+async def append_scheduled(
+    conn: Connection, messages: Sequence[OutboxMessage], *, notify: bool
+) -> None:
+    """Insert scheduled events (``OutboxMessage.scheduled``) in ``conn``'s transaction, in one
+    statement; no ordering lock is taken (a scheduled event's order is set when it is moved)."""
+    if messages:
+        driver = await in_transaction(conn)
+        await driver.execute(APPEND_SCHEDULED, *scheduled_arrays(messages), notify)
+
+
+DUE_SCHEDULED = f"""
+SELECT s.id, s.ordering_key
+FROM outbox_scheduled AS s
+WHERE (SELECT pg_try_advisory_xact_lock({MOVER_LOCK_CLASS}, 0)) AND s.due_at <= now()
+ORDER BY s.due_at, s.id
+LIMIT $1
+FOR UPDATE OF s SKIP LOCKED
+"""
+"""Lock up to ``$1`` due events, earliest first, if this transaction is the one mover (else
+none); their ids and ordering keys."""
+
+TRY_ORDERING_LOCKS = f"""
+SELECT k.key
+FROM unnest($1::text[]) AS k(key)
+WHERE pg_try_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))
+"""
+"""Of the ordering keys in ``$1``, those whose ordering lock this transaction now holds; a key
+held by a transaction appending events of its own is skipped (never waited for, so a mover and a
+producer cannot deadlock)."""
+
+MOVE_DUE = """
+WITH moved AS (
+    DELETE FROM outbox_scheduled WHERE id = ANY($1::bigint[])
+    RETURNING id, message_id, exchange, routing_key, body, content_type, headers,
+              correlation_id, causation_id, ordering_key, due_at
+)
+INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
+                    correlation_id, causation_id, ordering_key)
+SELECT message_id, exchange, routing_key, body, content_type, headers,
+       correlation_id, causation_id, ordering_key
+FROM moved
+ORDER BY due_at, id
+"""
+"""Move the scheduled events of the ids in ``$1`` into ``outbox``, in due order: their outbox
+ids, and so their places in their keys' order, are given now."""
+
+NEXT_DUE_IN = """
+SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
+"""
+"""Seconds until the earliest scheduled event is due (negative: overdue); NULL when none is."""
+
+
+async def move_due(conn: Connection, limit: int) -> int:
+    """Move up to ``limit`` due events from ``outbox_scheduled`` into ``outbox``, earliest first,
+    in ``conn``'s transaction; returns how many were locked (moved, or left for the next call
+    because another transaction holds their ordering key). None are moved when another
+    transaction is moving (one mover at a time, by advisory lock)."""
+    driver = await in_transaction(conn)
+    due = await driver.fetch(DUE_SCHEDULED, limit)
+    if not due:
+        return 0
+    keys = sorted({key for _, key in due if key is not None})
+    held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
+    ids = [row_id for row_id, key in due if key is None or key in held]
+    if ids:
+        await driver.execute(MOVE_DUE, ids)
+    return len(due)
+
+
+async def next_due_in(conn: Connection) -> float | None:
+    """Seconds until the earliest scheduled event is due (negative when overdue), or None."""
+    driver = await in_transaction(conn)
+    seconds: float | None = await driver.fetchval(NEXT_DUE_IN)
+    return seconds
+
+
+CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"
+"""Delete the scheduled event of message id ``$1``; a row when there was one."""
+
+CANCEL_DUE = "DELETE FROM outbox WHERE message_id = $1 RETURNING true"
+"""Delete the unpublished event of message id ``$1`` from ``outbox`` (a relay publishing it holds
+its row lock: the statement waits for that relay's transaction, then finds it gone)."""
+
+
+async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
+    """Delete the unpublished event ``message_id`` in ``conn``'s transaction: True if it was
+    scheduled or waiting in ``outbox``, so that once this transaction commits it is never
+    published; False if it was published already, parked, or never existed.
+
+    Two statements, scheduled table first: an event a relay moves meanwhile is found in
+    ``outbox`` by the second (a new snapshot under READ COMMITTED).
+    """
+    if not isinstance(message_id, uuid.UUID):
+        raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
+    driver = await in_transaction(conn)
+    if await driver.fetchval(CANCEL_SCHEDULED, message_id):
+        return True
+    return bool(await driver.fetchval(CANCEL_DUE, message_id))

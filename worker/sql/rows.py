@@ -7,6 +7,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 MAX_ATTEMPTS = 1_000_000
@@ -46,7 +47,11 @@ class InboxEntry:
 
 @dataclass(frozen=True)
 class OutboxMessage:
-    """An event recorded by a handler, published by the relay after the transaction commits."""
+    """An event recorded by a handler, published by the relay after the transaction commits.
+
+    A scheduled event (``due_in`` seconds from the transaction's start by the database's clock,
+    or at ``due_at``; at most one of them) is kept in ``outbox_scheduled`` until it is due.
+    """
 
     message_id: uuid.UUID
     exchange: str
@@ -57,3 +62,10 @@ class OutboxMessage:
     correlation_id: str | None
     causation_id: str | None
     ordering_key: str | None
+    due_in: float | None = None
+    due_at: datetime | None = None
+
+    @property
+    def scheduled(self) -> bool:
+        """Whether the event waits in ``outbox_scheduled`` until it is due."""
+        return self.due_in is not None or self.due_at is not None

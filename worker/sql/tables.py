@@ -3,7 +3,8 @@
 ``inbox`` holds one row per (handler, idempotency key) whose effect has committed, or failed, or
 (for a workflow) is under way between steps under its owner's lease; ``workflow_steps`` holds the
 output of each committed step of a workflow; ``outbox`` holds events committed with an effect and
-not yet confirmed by the broker; ``outbox_parked`` holds events the relay gave up on after its
+not yet confirmed by the broker; ``outbox_scheduled`` holds events scheduled for later, moved
+into ``outbox`` when due; ``outbox_parked`` holds events the relay gave up on after its
 last attempt, for an operator to inspect and retry; ``ingress_requests`` holds one row per
 (handler, client, idempotency key) that the HTTP ingress accepted, with the key its handler runs
 under, its payload's fingerprint and the message id of the event it appended; ``dead_letters``
@@ -111,6 +112,24 @@ outbox = Table(
         "id",
         postgresql_where=text("ordering_key IS NOT NULL"),
     ),
+)
+
+outbox_scheduled = Table(
+    "outbox_scheduled",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("message_id", Uuid, nullable=False, unique=True),
+    Column("exchange", Text, nullable=False),
+    Column("routing_key", Text, nullable=False),
+    Column("body", LargeBinary, nullable=False),
+    Column("content_type", Text, nullable=False),
+    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("correlation_id", Text, nullable=True),
+    Column("causation_id", Text, nullable=True),
+    Column("ordering_key", Text, nullable=True),
+    Column("due_at", DateTime(timezone=True), nullable=False, comment="by the database's clock"),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Index(None, "due_at", "id"),
 )
 
 outbox_parked = Table(
