@@ -342,7 +342,7 @@ async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_pro
         appended = await outbox.publish(producer, "a", {}, ordering_key="K")
 
         # When a mover runs meanwhile: it does not wait for K, and moves L
-        assert await move(engine) == 2
+        assert await move(engine) == 1
         assert await in_outbox(engine) == [free]
     # Then once the producer committed, the next mover moves K's event behind the producer's
     assert await move(engine) == 1
@@ -420,15 +420,15 @@ async def test_a_relay_publishes_nothing_early_and_a_due_event_promptly(
 async def test_events_that_fell_due_while_no_relay_ran_are_published_once_one_starts(
     settings: Settings, engine: AsyncEngine, capture: AbstractQueue
 ) -> None:
-    # Given events that fell due an hour ago and a minute ago, one of them keyed, while no relay
-    # ran, and one still in the future
-    old = await publish(engine, settings, 0, ordering_key="K", delay=LATER)
-    recent = await publish(engine, settings, 1, at=END)
-    future = await publish(engine, settings, 2, delay=LATER)
+    # Given K's events that fell due a minute ago and (scheduled after it) an hour ago while no
+    # relay ran, and one still in the future
+    recent = await publish(engine, settings, 0, ordering_key="K", at=END)
+    old = await publish(engine, settings, 1, ordering_key="K", delay=LATER)
+    future = await publish(engine, settings, 2, ordering_key="K", delay=LATER)
     await make_due(engine, old, ago=3600)
     await make_due(engine, recent, ago=60)
 
-    # When a relay starts, then both due events are published, the earliest first
+    # When a relay starts, then both due events are published, the earlier due first
     async with running_relay(settings):
         got = await arrived(capture, 2)
     assert [m.message_id for m in got] == [str(old), str(recent)]
