@@ -433,3 +433,22 @@ async def test_events_that_fell_due_while_no_relay_ran_are_published_once_one_st
         got = await arrived(capture, 2)
     assert [m.message_id for m in got] == [str(old), str(recent)]
     assert list(await scheduled(engine)) == [future]
+
+
+async def test_a_keys_events_due_at_one_instant_arrive_in_the_order_scheduled(
+    settings: Settings, engine: AsyncEngine, capture: AbstractQueue
+) -> None:
+    # Given K's events scheduled for one instant in five transactions, other keys' between them
+    ours, others = [], []
+    for n in range(5):
+        ours.append(await publish(engine, settings, n, ordering_key="K", at=END))
+        others.append(await publish(engine, settings, 10 + n, ordering_key=f"L{n}", at=END))
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE outbox_scheduled SET due_at = now()"))
+
+    # When a relay runs, then K's arrive in the order they were scheduled
+    async with running_relay(settings):
+        got = await arrived(capture, 10)
+    order = [uuid.UUID(m.message_id or "") for m in got]
+    assert [m for m in order if m in ours] == ours
+    assert set(order) == set(ours) | set(others)
