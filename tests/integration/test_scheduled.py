@@ -330,6 +330,30 @@ async def test_a_due_event_takes_its_place_after_its_keys_events_already_in_the_
     assert await in_outbox(engine) == [now, later]
 
 
+async def test_a_cancel_in_flight_holds_its_key_so_a_later_event_cannot_overtake_it(
+    engine: AsyncEngine,
+) -> None:
+    # Given K's two scheduled events, both due, and a transaction cancelling the first, still open
+    async with engine.begin() as conn:
+        first = await outbox.publish(conn, "a", {}, ordering_key="K", delay=LATER)
+    async with engine.begin() as conn:
+        second = await outbox.publish(conn, "a", {}, ordering_key="K", delay=LATER)
+    await make_due(engine, first, second)
+    async with engine.connect() as conn:
+        cancelling = await conn.begin()
+        assert await outbox.cancel(conn, first) is True
+
+        # When a mover runs meanwhile: K is left for later, as for a producer holding it
+        assert await move(engine) == 0
+
+        # And the cancel is rolled back
+        await cancelling.rollback()
+
+    # Then the next mover moves K's events in their order
+    assert await move(engine) == 2
+    assert await in_outbox(engine) == [first, second]
+
+
 async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_producers_event(
     engine: AsyncEngine,
 ) -> None:
