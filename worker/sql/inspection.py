@@ -264,7 +264,7 @@ async def outbox_entries(
     filter on that scan (no index holds it, and one more on the outbox would cost every publish),
     so a routing key with few rows among many reads further before it finds ``limit`` of them.
     """
-    stmt = _entries_query(state, routing_key).limit(limit)
+    stmt = entries_query(state, limit, routing_key=routing_key)
     entries = []
     for row in await conn.execute(stmt):
         values = row._asdict()
@@ -274,8 +274,8 @@ async def outbox_entries(
     return entries
 
 
-def _entries_query(state: str, routing_key: str | None) -> Any:
-    """``outbox_entries``' statement for ``state``, without its limit."""
+def entries_query(state: str, limit: int, *, routing_key: str | None = None) -> Any:
+    """The statement ``outbox_entries`` runs (exposed for its query plan to be checked)."""
     columns: list[Any]
     due_in: Any
     if state == "parked":
@@ -307,7 +307,7 @@ def _entries_query(state: str, routing_key: str | None) -> Any:
         where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
         order = [table.c.available_at, table.c.id]
         columns = [table.c[name] for name in _ENTRY_COLUMNS]
-    return select(*columns, *extra).where(*where).order_by(*order)
+    return select(*columns, *extra).where(*where).order_by(*order).limit(limit)
 
 
 async def parked_message_ids(

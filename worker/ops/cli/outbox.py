@@ -206,8 +206,11 @@ def _cancel(settings: Settings, args: argparse.Namespace) -> int:
         else:
             show(f"{outcome:<12} message_id={message_id}")
     if not args.json:
-        said = f"{len(done.cancelled)} outbox event(s) {verb}"
-        print(f"dry run: {said}; nothing changed" if args.dry_run else said)
+        said = f"{len(done.cancelled)} outbox event(s)"
+        if args.dry_run:
+            print(f"dry run: {said} would be cancelled; nothing changed")
+        else:
+            print(f"{said} cancelled")
     if done.parked:
         show(
             f"worker: error: parked, not cancelled: {', '.join(map(str, done.parked))} "
