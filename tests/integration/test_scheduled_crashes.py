@@ -119,6 +119,7 @@ async def schedule_round(
             found = await conn.execute(
                 text(
                     "SELECT message_id, due_at FROM outbox_scheduled WHERE message_id = ANY(:ids)"
+                    " ORDER BY due_at"
                 ),
                 {"ids": ids},
             )
