@@ -16,7 +16,7 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import rows, scalar, wait_until
+from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until
 from tests.integration.support import (
     dead_letters,
     publish,
@@ -29,8 +29,9 @@ from tests.integration.support import (
 from tests.integration.waiting_handlers import CONFIRMED, ORDER, REMINDER, router
 from worker.core.signals import RESUMED_BEFORE_COMMIT
 from worker.core.workflows import TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
+from worker.ops.janitor import sweep
 from worker.settings import Settings
-from worker.sql import outbox
+from worker.sql import inspection, outbox
 
 HANDLERS = {"WORKER_HANDLERS": "tests.integration.waiting_handlers"}
 
@@ -348,3 +349,88 @@ async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_o
     finish = "complete" if outcome == "event" else "compensate"
     assert await effects(engine, "order-k-1") == ["reserve", finish]
     assert await rows(engine, "SELECT outcome FROM workflow_waits") == [(outcome,)]
+
+
+async def test_worker_workflows_shows_what_each_waiting_workflow_waits_for_and_until_when(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    async with running_worker(settings, router):
+        # Given a workflow waiting for a signal and one asleep
+        await place(amqp, settings, "o-9")
+        channel = await amqp.channel(publisher_confirms=True)
+        await publish(channel, settings, {"who": "bo"}, key="nap-9", routing_key=REMINDER)
+        await channel.close()
+        await until_waiting(engine, 2)
+
+    # When an operator lists the workflows
+    listed = await asyncio.to_thread(
+        run, WORKER_SCRIPT, "workflows", WORKER_DATABASE_URL=settings.database_url
+    )
+    as_json = await asyncio.to_thread(
+        run, WORKER_SCRIPT, "workflows", "--json", WORKER_DATABASE_URL=settings.database_url
+    )
+
+    # Then each shows its wait and its deadline by the database's clock, and no owner
+    due = dict(await rows(engine, "SELECT key, due_at FROM workflow_waits"))
+    out = listed.stdout + listed.stderr
+    assert "key=order-o-9 recovery_point=reserve owner=- " in listed.stdout, out
+    until = due["order-o-9"].isoformat()
+    assert f"waiting=shipped signal={CONFIRMED} correlation=o-9 until={until}" in out
+    assert f"waiting=nap sleep until={due['nap-9'].isoformat()}" in listed.stdout
+    assert "2 workflow(s) in progress, 2 of them waiting" in listed.stdout
+    shown = {state["key"]: state for state in map(json.loads, as_json.stdout.splitlines())}
+    assert shown["order-o-9"]["wait_correlation"] == "o-9"
+    assert shown["nap-9"]["wait"] == "nap"
+    assert shown["nap-9"]["wait_routing_key"] is None
+
+
+async def test_a_waiting_workflow_is_stuck_only_once_its_deadline_is_long_past(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    async with running_worker(settings, router):
+        # Given a waiting workflow, whose lease it released long ago (moved in SQL)
+        await place(amqp, settings, "o-10")
+        await until_waiting(engine, 1)
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE inbox SET lease_until = now() - interval '1 day'"))
+
+    async def stuck() -> int:
+        async with engine.connect() as conn:
+            total, _ = await inspection.expired_workflows(conn, [], expired_for=60, limit=10)
+        return total
+
+    # Then it is not stuck while its deadline is ahead, nor is it the oldest running one
+    assert await stuck() == 0
+    async with engine.connect() as conn:
+        assert await inspection.in_progress_workflows(conn, 1, waiting=False) == []
+
+    # When its deadline passed long ago and nothing resumed it (its timer lost, moved in SQL)
+    async with engine.begin() as conn:
+        await conn.execute(text("UPDATE workflow_waits SET due_at = now() - interval '1 hour'"))
+
+    # Then it is stuck
+    assert await stuck() == 1
+
+
+async def test_the_janitor_drops_signals_older_than_the_retention(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    async with running_worker(settings, router) as worker:
+        # Given two signals nobody waited for, one received longer ago than the retention
+        await confirm(amqp, settings, {"order_id": "old"})
+        await confirm(amqp, settings, {"order_id": "new"})
+        await settled(worker, processed=2)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE workflow_signals SET received_at = now() - make_interval(secs => :s)"
+                " WHERE correlation = 'old'"
+            ),
+            {"s": settings.inbox_retention + 60},
+        )
+
+    # When the janitor sweeps
+    await sweep(engine, settings)
+
+    # Then the old one is gone and the recent one kept
+    assert await rows(engine, "SELECT correlation FROM workflow_signals") == [("new",)]
