@@ -91,8 +91,8 @@ async def until_completed(engine: AsyncEngine, count: int) -> None:
 
 
 async def make_due(engine: AsyncEngine) -> None:
-    """Move the open waits' deadlines and their timers to now (instead of sleeping), and move
-    the due timers into the outbox for the relay, waking it."""
+    """Move the open waits' deadlines and their timers to now (instead of sleeping), and tell
+    the relay, which moves due timers into the outbox and publishes them."""
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE workflow_waits SET due_at = now() WHERE outcome IS NULL"))
         await conn.execute(
@@ -101,13 +101,8 @@ async def make_due(engine: AsyncEngine) -> None:
                 " (SELECT timer_id FROM workflow_waits WHERE outcome IS NULL)"
             )
         )
-    await move_due_timers(engine)
-
-
-async def move_due_timers(engine: AsyncEngine) -> None:
-    async with engine.begin() as conn:
-        await outbox.move_due(conn, 1000)
-        await conn.execute(text(f"SELECT pg_notify('{outbox.OUTBOX_CHANNEL}', '')"))
+        notice = f"SELECT pg_notify('{outbox.OUTBOX_CHANNEL}', '{outbox.SCHEDULED_NOTICE}')"
+        await conn.execute(text(notice))
 
 
 async def effects(engine: AsyncEngine, key: str) -> list[str]:
