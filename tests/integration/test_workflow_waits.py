@@ -21,6 +21,7 @@ from tests.integration.support import (
     dead_letters,
     publish,
     queue_empty,
+    running_relay,
     running_worker,
     settled,
     wait_for_consumer,
@@ -141,6 +142,10 @@ async def test_a_signal_resumes_the_waiting_workflow_which_held_nothing_meanwhil
             )
         )[0]
         assert (owner, lease_expired) == (None, True)
+        async with engine.connect() as conn, conn.begin():  # (raises if a transaction held it)
+            locked = "SELECT key FROM inbox WHERE key = 'order-o-1' FOR UPDATE NOWAIT"
+            assert (await conn.execute(text(locked))).scalar() == "order-o-1"
+            await conn.rollback()
         timer_due, wait_due = (
             await rows(
                 engine,
@@ -198,28 +203,27 @@ async def test_the_timeout_resumes_the_workflow_and_a_later_signal_is_only_recor
 async def test_a_signal_and_a_timeout_that_race_resume_each_workflow_exactly_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    orders = [f"r-{n}" for n in range(12)]
+    orders = [f"r-{n}" for n in range(16)]
     async with running_worker(settings, router):
         # Given orders waiting for their confirmations
         for order_id in orders:
             await place(amqp, settings, order_id)
         await until_waiting(engine, len(orders))
 
-        # When each one's confirmation and its timer arrive at the same moment
-        await asyncio.gather(
-            make_due(engine),
-            *(confirm(amqp, settings, {"order_id": order_id}) for order_id in orders),
-        )
+    # And, while no worker consumes, each one's confirmation and its timer in the queue: half
+    # of the confirmations before the timers, half after (a relay alone publishes the timers)
+    for order_id in orders[::2]:
+        await confirm(amqp, settings, {"order_id": order_id})
+    await make_due(engine)
+    async with running_relay(settings):
+        await wait_until(lambda: nothing_to_publish(engine))
+    for order_id in orders[1::2]:
+        await confirm(amqp, settings, {"order_id": order_id})
+
+    # When a worker consumes them all at once (signals in batches beside the workflows' runs)
+    async with running_worker(settings, router):
         await until_completed(engine, 2 * len(orders))
-
-        async def timers_gone() -> bool:
-            gone = await scalar(
-                engine,
-                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_scheduled)",
-            )
-            return bool(gone == 0)
-
-        await wait_until(timers_gone)
+        await wait_until(lambda: nothing_to_publish(engine))
 
     # Then each wait was resolved by exactly one of them, and the workflow went on once, by it
     outcomes = dict(await rows(engine, "SELECT key, outcome FROM workflow_waits"))
@@ -230,8 +234,21 @@ async def test_a_signal_and_a_timeout_that_race_resume_each_workflow_exactly_onc
         assert await effects(engine, key) == ["reserve", finish], outcomes[key]
         assert (await result_of(engine, key))["outcome"] == outcomes[key]
     # And each losing signal was recorded, not applied; each winning one resumed its wait
+    signals = await rows(engine, "SELECT key, result FROM inbox WHERE handler = :h", h=CONFIRMED)
+    assert len(signals) == len(orders)
+    for _, result in signals:
+        (resumed,) = result.get("resumed", [[None, None, None]])
+        if resumed[1] is not None:
+            assert outcomes[resumed[1]] == "event"
     buffered = await scalar(engine, "SELECT count(*) FROM workflow_signals")
     assert buffered == sum(1 for outcome in outcomes.values() if outcome == "timeout")
+
+
+async def nothing_to_publish(engine: AsyncEngine) -> bool:
+    waiting = await scalar(
+        engine, "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_scheduled)"
+    )
+    return bool(waiting == 0)
 
 
 async def test_a_signal_that_comes_before_the_wait_is_kept_for_it(
