@@ -35,8 +35,11 @@ from tests.integration.waiting_handlers import (
     router,
 )
 from worker import Router, Workflow
-from worker.core.signals import RESUMED_BEFORE_COMMIT
-from worker.core.workflows import TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
+from worker.faults import (
+    WORKFLOW_RESUMED_BEFORE_COMMIT,
+    WORKFLOW_TIMEOUT_BEFORE_COMMIT,
+    WORKFLOW_WAIT_REGISTERED,
+)
 from worker.ops.janitor import sweep
 from worker.settings import Settings
 from worker.sql import inspection, outbox
@@ -322,9 +325,9 @@ async def test_a_sleep_resumes_the_workflow_when_its_time_has_passed(
 @pytest.mark.parametrize(
     ("crash_at", "outcome"),
     [
-        (WAIT_REGISTERED, "event"),
-        (RESUMED_BEFORE_COMMIT, "event"),
-        (TIMEOUT_BEFORE_COMMIT, "timeout"),
+        (WORKFLOW_WAIT_REGISTERED, "event"),
+        (WORKFLOW_RESUMED_BEFORE_COMMIT, "event"),
+        (WORKFLOW_TIMEOUT_BEFORE_COMMIT, "timeout"),
     ],
 )
 async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_once(
@@ -347,7 +350,7 @@ async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_o
     with worker_process(settings, log, WORKER_CRASH_AT=crash_at, **HANDLERS) as worker:
         await wait_for_consumer(amqp, settings.queue)
         await place(amqp, settings, "k-1")
-        if crash_at != WAIT_REGISTERED:
+        if crash_at != WORKFLOW_WAIT_REGISTERED:
             await until_waiting(engine, 1)
             await resolve()
         await asyncio.to_thread(worker.wait, 60)
@@ -358,7 +361,7 @@ async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_o
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE inbox SET lease_until = now() - interval '1 second'"))
     with worker_process(settings, log, **HANDLERS) as worker:
-        if crash_at == WAIT_REGISTERED:
+        if crash_at == WORKFLOW_WAIT_REGISTERED:
             await until_waiting(engine, 1)
             await resolve()
         await until_completed(engine, 2 if outcome == "event" else 1)
