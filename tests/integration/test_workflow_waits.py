@@ -42,7 +42,7 @@ from worker.faults import (
 )
 from worker.ops.janitor import sweep
 from worker.settings import Settings
-from worker.sql import inspection, outbox
+from worker.sql import inspection, outbox, waits
 from worker.testing import Harness
 
 HANDLERS = {"WORKER_HANDLERS": "tests.integration.waiting_handlers"}
@@ -278,6 +278,41 @@ async def test_a_signal_that_comes_before_the_wait_is_kept_for_it(
         assert consumed == [("order.placed", "order-7")]
         assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
         assert worker.stats["waiting"] == 0
+
+
+async def test_a_signal_and_the_registration_of_its_wait_at_once_never_miss_each_other(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    async with running_worker(settings, router), engine.connect() as held:
+        # Given the lock of the order's correlation, held by the test
+        await held.begin()
+        await held.execute(
+            text("SELECT pg_advisory_xact_lock(:c, hashtext(:k))"),
+            {"c": waits.CORRELATION_LOCK_CLASS, "k": f"{CONFIRMED}\no-5"},
+        )
+
+        # When the order's workflow registers its wait and its confirmation comes, both at once
+        # (each blocked on the lock, its own transaction open, until the test lets them go)
+        await place(amqp, settings, "o-5")
+        await confirm(amqp, settings, {"order_id": "o-5"})
+
+        async def both_blocked() -> bool:
+            waiting = await scalar(
+                engine,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND classid = :c AND database ="
+                " (SELECT oid FROM pg_database WHERE datname = current_database())",
+                c=waits.CORRELATION_LOCK_CLASS,
+            )
+            return bool(waiting == 2)
+
+        await wait_until(both_blocked)
+        await held.rollback()
+
+        # Then whichever went first, the workflow was resumed by the signal
+        await until_completed(engine, 2)
+    assert (await result_of(engine, "order-o-5"))["outcome"] == "event"
+    assert await effects(engine, "order-o-5") == ["reserve", "complete"]
 
 
 @pytest.mark.parametrize(
