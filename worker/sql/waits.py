@@ -21,10 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from worker.core.codec import to_jsonable
+from worker.sql import locks
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import OutboxMessage
 
-CORRELATION_LOCK_CLASS = 7_262_003
+CORRELATION_LOCK_CLASS = locks.CORRELATION
 """First key of the transaction-scoped advisory lock of one (routing key, correlation): taken by
 a signal before it resolves or buffers, and by a wait before it registers."""
 
