@@ -37,7 +37,7 @@ from tests.integration.orders_flow import (
 )
 from tests.integration.support import wait_for_consumer, worker_process
 from worker import faults
-from worker.core.signals import SIGNAL_BEFORE_COMMIT
+from worker.core.signals import RESUMED_BEFORE_COMMIT
 from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT, TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
 from worker.settings import Settings
 
@@ -64,7 +64,7 @@ CRASHES = [
     Crash(WAIT_REGISTERED, EXPIRE),
     Crash(WAIT_REGISTERED, CONFIRM),
     Crash(TIMEOUT_BEFORE_COMMIT, EXPIRE),
-    Crash(SIGNAL_BEFORE_COMMIT, CONFIRM),
+    Crash(RESUMED_BEFORE_COMMIT, CONFIRM),
     Crash(BEFORE_COMMIT + "release_reservation", EXPIRE),
     Crash(AFTER_STEP + "release_reservation", EXPIRE),
     # the gateway was called, the step did not commit: it runs again under the same step key
