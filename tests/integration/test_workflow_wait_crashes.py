@@ -35,7 +35,7 @@ from tests.integration.orders_flow import (
     shipped_once,
     waiting,
 )
-from tests.integration.support import wait_for_consumer, worker_process
+from tests.integration.support import declare, wait_for_consumer, worker_process
 from worker import faults
 from worker.core.signals import RESUMED_BEFORE_COMMIT
 from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT, TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
@@ -109,6 +109,7 @@ async def test_a_killed_wait_resumes_once_and_compensates_once(
     async with engine.begin() as conn:
         await add_stock(conn, "tea", 10)
     log = tmp_path / "worker.log"
+    await declare(amqp, settings)
     channel = await amqp.channel(publisher_confirms=True)
     events = await events_queue(channel, settings)
 
