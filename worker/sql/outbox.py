@@ -408,6 +408,19 @@ async def next_due_in(conn: Connection) -> float | None:
     return seconds
 
 
+BRING_FORWARD = """
+UPDATE outbox_scheduled SET due_at = due_at - make_interval(secs => $1::float8)
+"""
+"""Make every scheduled event due ``$1`` seconds sooner (the test harness's ``advance``)."""
+
+
+async def bring_forward(conn: Connection, seconds: float) -> None:
+    """Make every scheduled event due ``seconds`` sooner, in ``conn``'s transaction: for tests,
+    which cannot move the database's clock (``worker.testing.Harness.advance``)."""
+    driver = await in_transaction(conn)
+    await driver.execute(BRING_FORWARD, seconds)
+
+
 CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"
 """Delete the scheduled event of message id ``$1``; a row when there was one."""
 
