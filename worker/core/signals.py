@@ -17,7 +17,7 @@ from typing import Any
 
 from worker.core.context import Context
 from worker.core.envelope import MAX_KEY_LENGTH, storable_text
-from worker.errors import HandlerRegistrationError, InvalidBody, Rejected
+from worker.errors import HandlerRegistrationError, Rejected
 from worker.faults import crash_point
 from worker.sql import waits
 
@@ -29,9 +29,9 @@ unit of work has not committed."""
 
 
 class InvalidSignal(Rejected):
-    """A signal without a usable correlation (missing, not a string or an integer, too long)."""
-
-    reason = InvalidBody.reason
+    """A signal without a usable correlation (missing, not a string or an integer, too long):
+    its handler fails permanently, so it is parked (``handler-error``, this class named in
+    ``x-worker-error``)."""
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 from worker.core.codec import to_jsonable
@@ -261,24 +260,21 @@ async def buffer_signal(
     )
 
 
-@dataclass(frozen=True)
-class WaitingWorkflow:
-    """A workflow suspended on a wait, as ``worker workflows`` lists it."""
-
-    handler: str
-    key: str
-    name: str
-    routing_key: str | None
-    correlation: str | None
-    due_at: datetime
-    created_at: datetime
-
-
 DELETE_EXPIRED_SIGNALS = """
 DELETE FROM workflow_signals
 WHERE id IN (SELECT id FROM workflow_signals
              WHERE received_at < now() - make_interval(secs => $1::float8)
-             ORDER BY received_at LIMIT $2)
+             ORDER BY received_at
+             LIMIT $2
+             FOR UPDATE SKIP LOCKED)
 """
-"""Delete up to ``$2`` buffered signals received more than ``$1`` seconds ago (consumed or not:
-a signal nobody waited for within the inbox's retention is dropped)."""
+"""Delete up to ``$2`` signals received more than ``$1`` seconds ago, oldest first."""
+
+
+async def delete_expired_signals(conn: Connection, *, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` signals received more than ``retention`` (the inbox's) seconds
+    ago, consumed by a wait or not (one nobody waited for within that time is dropped), oldest
+    first; returns how many. Rows another transaction holds are skipped, never waited on."""
+    driver = await in_transaction(conn)
+    status: str = await driver.execute(DELETE_EXPIRED_SIGNALS, retention, limit)
+    return int(status.split()[-1])
