@@ -5,6 +5,7 @@ both racing, exactly one of the two happens."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from examples.orders import router as orders
 from examples.orders.gateway import charge_id_for, refund_id_for
 from examples.orders.handlers import SHIPPING_TIMEOUT_ENV
 from examples.orders.tables import gateway_calls, metadata, stock
-from tests.helpers import rows, scalar, wait_until
+from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until
 from tests.integration.orders_flow import (
     cancelled_once,
     completed,
@@ -27,6 +28,7 @@ from tests.integration.orders_flow import (
     effects,
     events_queue,
     expire_wait,
+    key_of,
     place_order,
     relayed,
     shipped_once,
@@ -199,6 +201,13 @@ async def test_a_confirmed_order_completes_with_its_tracking_number_and_no_refun
         await place_order(channel, settings, "o-1")
         await wait_until(lambda: waiting(engine, "o-1"))
         assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 1  # its timer
+        listed = await asyncio.to_thread(
+            run, WORKER_SCRIPT, "workflows", WORKER_DATABASE_URL=settings.database_url
+        )
+        # (worker workflows shows it with no owner, and what it waits for until when)
+        assert f"key={key_of('o-1')} recovery_point=dispatch_shipping owner=-" in listed.stdout
+        waits_for = "waiting=shipping_confirmed signal=shipping.confirmed correlation=o-1 until="
+        assert waits_for in listed.stdout, listed.stderr
 
         # When the carrier confirms it
         await confirm_shipping(channel, settings, "o-1", tracking="TRK-7")
