@@ -36,8 +36,10 @@ from tests.integration.orders_flow import (
 )
 from tests.integration.support import (
     BASE,
+    dead_letters,
     declare,
     inspect_database,
+    publish,
     require_services,
     running_relay,
     running_worker,
@@ -47,6 +49,7 @@ from tests.integration.support import (
 )
 from worker import schema, testing
 from worker.errors import ConfigurationError
+from worker.ops import dlq
 from worker.settings import Settings
 
 ORDERS_TABLES = {"stock", "reservations", "shipments", "gateway_calls"}
@@ -257,6 +260,36 @@ async def test_an_unconfirmed_order_is_released_refunded_and_cancelled_once(
     assert await scalar(engine, "SELECT outcome FROM workflow_waits") == "timeout"
 
 
+async def test_a_confirmation_without_tracking_parks_the_resumed_order_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    await seed_tea(engine)
+    async with running_worker(settings, orders):
+        channel = await amqp.channel(publisher_confirms=True)
+
+        # Given an order waiting for its confirmation
+        await place_order(channel, settings, "o-1")
+        await wait_until(lambda: waiting(engine, "o-1"))
+
+        # When a confirmation without its tracking number comes (its correlation is fine)
+        await publish(
+            channel,
+            settings,
+            {"order_id": "o-1"},
+            message_id="confirmed-o-1",
+            routing_key="shipping.confirmed",
+        )
+        await wait_until(lambda: failed(engine, "o-1"))
+
+    # Then the resumed order is parked once with the handler's error, its stock still reserved
+    parked = await dead_letters(channel, settings)
+    assert [m.headers[dlq.REASON] for m in parked] == ["handler-error"]
+    assert await scalar(engine, "SELECT available FROM stock WHERE sku = 'tea'") == 8
+    found = await effects(engine, "o-1")
+    assert (found.reserved, found.released, found.refunds) == (1, 0, set())
+    await channel.close()
+
+
 async def test_a_confirmation_racing_the_timeout_ships_or_cancels_each_order_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
@@ -321,6 +354,11 @@ async def any_wait_resolved(engine: AsyncEngine) -> bool:
 async def timers_published(engine: AsyncEngine) -> bool:
     scheduled = await scalar(engine, "SELECT count(*) FROM outbox_scheduled")
     return bool(scheduled == 0 and await relayed(engine))
+
+
+async def failed(engine: AsyncEngine, order_id: str) -> bool:
+    status = await scalar(engine, "SELECT status FROM inbox WHERE key = :k", k=key_of(order_id))
+    return bool(status == "failed")
 
 
 async def seed_tea(engine: AsyncEngine, quantity: int = 10) -> None:
