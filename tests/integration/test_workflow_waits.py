@@ -26,12 +26,20 @@ from tests.integration.support import (
     wait_for_consumer,
     worker_process,
 )
-from tests.integration.waiting_handlers import CONFIRMED, ORDER, REMINDER, router
+from tests.integration.waiting_handlers import (
+    CONFIRM_TIMEOUT,
+    CONFIRMED,
+    ORDER,
+    REMINDER,
+    router,
+)
+from worker import Router, Workflow
 from worker.core.signals import RESUMED_BEFORE_COMMIT
 from worker.core.workflows import TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
 from worker.ops.janitor import sweep
 from worker.settings import Settings
 from worker.sql import inspection, outbox
+from worker.testing import Harness
 
 HANDLERS = {"WORKER_HANDLERS": "tests.integration.waiting_handlers"}
 
@@ -429,3 +437,44 @@ async def test_the_janitor_drops_signals_older_than_the_retention(
 
     # Then the old one is gone and the recent one kept
     assert await rows(engine, "SELECT correlation FROM workflow_signals") == [("new",)]
+
+
+async def test_the_harness_runs_a_waiting_workflow_through_its_signal_and_its_timer(
+    engine: AsyncEngine,
+) -> None:
+    harness = Harness(router, engine)
+
+    # Given two orders waiting for their confirmations, in the in-memory harness
+    placed = [
+        await harness.deliver(ORDER, {"order_id": order_id}, key=f"order-{order_id}")
+        for order_id in ("h-1", "h-2")
+    ]
+    assert [d.outcome for d in placed] == ["waiting", "waiting"]
+
+    # When one's confirmation comes (its delivery drains the outbox: the resume message) and
+    # the other's deadline passes (the harness moves it, and drains the timer)
+    signalled = await harness.deliver(CONFIRMED, {"order_id": "h-1"}, key="c-1")
+    assert signalled.result == {"resumed": [[ORDER, "order-h-1", "shipped"]]}
+    resumes = [*signalled.events, *await harness.advance(CONFIRM_TIMEOUT)]
+
+    # Then each resume message runs its workflow to its end, by its one outcome
+    ended = [await harness.deliver_event(event) for event in resumes]
+    assert sorted((d.outcome, d.result["outcome"]) for d in ended) == [
+        ("processed", "event"),
+        ("processed", "timeout"),
+    ]
+
+
+async def test_a_wait_for_an_undeclared_signal_fails_the_workflow(engine: AsyncEngine) -> None:
+    # Given a workflow that waits for a routing key no router.signal declared
+    lonely = Router()
+
+    @lonely.workflow("lonely.started")
+    async def wait_alone(body: Any, wf: Workflow) -> None:
+        await wf.wait_for("never", "nobody.sends", correlation="x", timeout=CONFIRM_TIMEOUT)
+
+    # When it runs, it is parked, and nothing waits
+    ended = await Harness(lonely, engine).deliver("lonely.started", {}, key="l-1")
+    assert ended.outcome == "dead_lettered"
+    assert "no router.signal declares routing key 'nobody.sends'" in str(ended.error)
+    assert await scalar(engine, "SELECT count(*) FROM workflow_waits") == 0

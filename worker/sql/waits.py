@@ -260,6 +260,21 @@ async def buffer_signal(
     )
 
 
+BRING_FORWARD = """
+UPDATE workflow_waits SET due_at = due_at - make_interval(secs => $1::float8)
+WHERE outcome IS NULL
+"""
+"""Make every open wait due ``$1`` seconds sooner (the test harness's ``advance``)."""
+
+
+async def bring_forward(conn: Connection, seconds: float) -> None:
+    """Make every open wait due ``seconds`` sooner, in ``conn``'s transaction, as
+    ``outbox.bring_forward`` does for their timers: for tests, which cannot move the database's
+    clock (``worker.testing.Harness.advance``)."""
+    driver = await in_transaction(conn)
+    await driver.execute(BRING_FORWARD, seconds)
+
+
 DELETE_EXPIRED_SIGNALS = """
 DELETE FROM workflow_signals
 WHERE id IN (SELECT id FROM workflow_signals
