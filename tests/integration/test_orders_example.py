@@ -14,7 +14,7 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from examples.orders import FakeGateway, add_stock, shipping_timeout
+from examples.orders import SHIPPING_TIMEOUT, FakeGateway, add_stock, shipping_timeout
 from examples.orders import router as orders
 from examples.orders.gateway import charge_id_for, refund_id_for
 from examples.orders.handlers import SHIPPING_TIMEOUT_ENV
@@ -29,6 +29,7 @@ from tests.integration.orders_flow import (
     events_queue,
     expire_wait,
     key_of,
+    order,
     place_order,
     relayed,
     shipped_once,
@@ -51,6 +52,7 @@ from worker import schema, testing
 from worker.errors import ConfigurationError
 from worker.ops import dlq
 from worker.settings import Settings
+from worker.testing import Harness
 
 ORDERS_TABLES = {"stock", "reservations", "shipments", "gateway_calls"}
 STEPS = ("reserve_inventory", "charge_payment", "dispatch_shipping")
@@ -288,6 +290,32 @@ async def test_a_confirmation_without_tracking_parks_the_resumed_order_once(
     found = await effects(engine, "o-1")
     assert (found.reserved, found.released, found.refunds) == (1, 0, set())
     await channel.close()
+
+
+async def test_the_harness_lets_the_shipping_timeout_pass_and_the_order_is_cancelled(
+    engine: AsyncEngine,
+) -> None:
+    await seed_tea(engine)
+    harness = Harness(orders, engine)
+
+    # Given an order dispatched and waiting, and time short of its timeout passed
+    placed = await harness.deliver("order.placed", order("o-1"), key=key_of("o-1"))
+    assert placed.outcome == "waiting"
+    assert await harness.advance(SHIPPING_TIMEOUT - timedelta(seconds=1)) == []
+
+    # When the rest of the timeout passes and its timer is delivered
+    (timer,) = await harness.advance(timedelta(seconds=1))
+    resumed = await harness.deliver_event(timer)
+
+    # Then the order was released, refunded and cancelled, once
+    assert resumed.outcome == "processed"
+    assert cancelled_once(await effects(engine, "o-1"), "o-1")
+    assert [e.routing_key for e in harness.published] == [
+        "order.shipped",
+        "order.placed",  # the timer
+        "order.cancelled",
+    ]
+    assert await scalar(engine, "SELECT available FROM stock WHERE sku = 'tea'") == 10
 
 
 async def test_a_confirmation_racing_the_timeout_ships_or_cancels_each_order_once(
