@@ -38,7 +38,13 @@ from tests.integration.orders_flow import (
 from tests.integration.support import declare, wait_for_consumer, worker_process
 from worker import faults
 from worker.core.signals import RESUMED_BEFORE_COMMIT
-from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT, TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
+from worker.core.workflows import (
+    AFTER_STEP,
+    BEFORE_COMMIT,
+    TIMEOUT_BEFORE_COMMIT,
+    TIMER_HEADER,
+    WAIT_REGISTERED,
+)
 from worker.settings import Settings
 
 HANDLERS = {"WORKER_HANDLERS": "examples.orders"}
@@ -133,6 +139,10 @@ async def test_a_killed_wait_resumes_once_and_compensates_once(
         for process in running.values():
             if process.poll() is None:
                 await stop(process)
+    if crash.process == "relay":
+        # (it died with the timer published and still in the outbox, to be published again)
+        timers = "SELECT count(*) FROM outbox WHERE headers ? :timer"
+        assert await scalar(engine, timers, timer=TIMER_HEADER) == 1
 
     # When a dead owner's lease has run out (moved back in SQL) and both start again
     async with engine.begin() as conn:
