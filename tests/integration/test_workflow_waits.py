@@ -21,6 +21,7 @@ from tests.integration.support import (
     dead_letters,
     publish,
     queue_empty,
+    running_relay,
     running_worker,
     settled,
     wait_for_consumer,
@@ -34,11 +35,14 @@ from tests.integration.waiting_handlers import (
     router,
 )
 from worker import Router, Workflow
-from worker.core.signals import RESUMED_BEFORE_COMMIT
-from worker.core.workflows import TIMEOUT_BEFORE_COMMIT, WAIT_REGISTERED
+from worker.faults import (
+    WORKFLOW_RESUMED_BEFORE_COMMIT,
+    WORKFLOW_TIMEOUT_BEFORE_COMMIT,
+    WORKFLOW_WAIT_REGISTERED,
+)
 from worker.ops.janitor import sweep
 from worker.settings import Settings
-from worker.sql import inspection, outbox
+from worker.sql import inspection, outbox, waits
 from worker.testing import Harness
 
 HANDLERS = {"WORKER_HANDLERS": "tests.integration.waiting_handlers"}
@@ -141,6 +145,10 @@ async def test_a_signal_resumes_the_waiting_workflow_which_held_nothing_meanwhil
             )
         )[0]
         assert (owner, lease_expired) == (None, True)
+        async with engine.connect() as conn, conn.begin():  # (raises if a transaction held it)
+            locked = "SELECT key FROM inbox WHERE key = 'order-o-1' FOR UPDATE NOWAIT"
+            assert (await conn.execute(text(locked))).scalar() == "order-o-1"
+            await conn.rollback()
         timer_due, wait_due = (
             await rows(
                 engine,
@@ -198,28 +206,27 @@ async def test_the_timeout_resumes_the_workflow_and_a_later_signal_is_only_recor
 async def test_a_signal_and_a_timeout_that_race_resume_each_workflow_exactly_once(
     settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
 ) -> None:
-    orders = [f"r-{n}" for n in range(12)]
+    orders = [f"r-{n}" for n in range(16)]
     async with running_worker(settings, router):
         # Given orders waiting for their confirmations
         for order_id in orders:
             await place(amqp, settings, order_id)
         await until_waiting(engine, len(orders))
 
-        # When each one's confirmation and its timer arrive at the same moment
-        await asyncio.gather(
-            make_due(engine),
-            *(confirm(amqp, settings, {"order_id": order_id}) for order_id in orders),
-        )
+    # And, while no worker consumes, each one's confirmation and its timer in the queue: half
+    # of the confirmations before the timers, half after (a relay alone publishes the timers)
+    for order_id in orders[::2]:
+        await confirm(amqp, settings, {"order_id": order_id})
+    await make_due(engine)
+    async with running_relay(settings):
+        await wait_until(lambda: nothing_to_publish(engine))
+    for order_id in orders[1::2]:
+        await confirm(amqp, settings, {"order_id": order_id})
+
+    # When a worker consumes them all at once (signals in batches beside the workflows' runs)
+    async with running_worker(settings, router):
         await until_completed(engine, 2 * len(orders))
-
-        async def timers_gone() -> bool:
-            gone = await scalar(
-                engine,
-                "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_scheduled)",
-            )
-            return bool(gone == 0)
-
-        await wait_until(timers_gone)
+        await wait_until(lambda: nothing_to_publish(engine))
 
     # Then each wait was resolved by exactly one of them, and the workflow went on once, by it
     outcomes = dict(await rows(engine, "SELECT key, outcome FROM workflow_waits"))
@@ -230,8 +237,21 @@ async def test_a_signal_and_a_timeout_that_race_resume_each_workflow_exactly_onc
         assert await effects(engine, key) == ["reserve", finish], outcomes[key]
         assert (await result_of(engine, key))["outcome"] == outcomes[key]
     # And each losing signal was recorded, not applied; each winning one resumed its wait
+    signals = await rows(engine, "SELECT key, result FROM inbox WHERE handler = :h", h=CONFIRMED)
+    assert len(signals) == len(orders)
+    for _, result in signals:
+        (resumed,) = result.get("resumed", [[None, None, None]])
+        if resumed[1] is not None:
+            assert outcomes[resumed[1]] == "event"
     buffered = await scalar(engine, "SELECT count(*) FROM workflow_signals")
     assert buffered == sum(1 for outcome in outcomes.values() if outcome == "timeout")
+
+
+async def nothing_to_publish(engine: AsyncEngine) -> bool:
+    waiting = await scalar(
+        engine, "SELECT (SELECT count(*) FROM outbox) + (SELECT count(*) FROM outbox_scheduled)"
+    )
+    return bool(waiting == 0)
 
 
 async def test_a_signal_that_comes_before_the_wait_is_kept_for_it(
@@ -258,6 +278,41 @@ async def test_a_signal_that_comes_before_the_wait_is_kept_for_it(
         assert consumed == [("order.placed", "order-7")]
         assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
         assert worker.stats["waiting"] == 0
+
+
+async def test_a_signal_and_the_registration_of_its_wait_at_once_never_miss_each_other(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    async with running_worker(settings, router), engine.connect() as held:
+        # Given the lock of the order's correlation, held by the test
+        await held.begin()
+        await held.execute(
+            text("SELECT pg_advisory_xact_lock(:c, hashtext(:k))"),
+            {"c": waits.CORRELATION_LOCK_CLASS, "k": f"{CONFIRMED}\no-5"},
+        )
+
+        # When the order's workflow registers its wait and its confirmation comes, both at once
+        # (each blocked on the lock, its own transaction open, until the test lets them go)
+        await place(amqp, settings, "o-5")
+        await confirm(amqp, settings, {"order_id": "o-5"})
+
+        async def both_blocked() -> bool:
+            waiting = await scalar(
+                engine,
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+                " AND classid = :c AND database ="
+                " (SELECT oid FROM pg_database WHERE datname = current_database())",
+                c=waits.CORRELATION_LOCK_CLASS,
+            )
+            return bool(waiting == 2)
+
+        await wait_until(both_blocked)
+        await held.rollback()
+
+        # Then whichever went first, the workflow was resumed by the signal
+        await until_completed(engine, 2)
+    assert (await result_of(engine, "order-o-5"))["outcome"] == "event"
+    assert await effects(engine, "order-o-5") == ["reserve", "complete"]
 
 
 @pytest.mark.parametrize(
@@ -305,9 +360,9 @@ async def test_a_sleep_resumes_the_workflow_when_its_time_has_passed(
 @pytest.mark.parametrize(
     ("crash_at", "outcome"),
     [
-        (WAIT_REGISTERED, "event"),
-        (RESUMED_BEFORE_COMMIT, "event"),
-        (TIMEOUT_BEFORE_COMMIT, "timeout"),
+        (WORKFLOW_WAIT_REGISTERED, "event"),
+        (WORKFLOW_RESUMED_BEFORE_COMMIT, "event"),
+        (WORKFLOW_TIMEOUT_BEFORE_COMMIT, "timeout"),
     ],
 )
 async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_once(
@@ -330,7 +385,7 @@ async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_o
     with worker_process(settings, log, WORKER_CRASH_AT=crash_at, **HANDLERS) as worker:
         await wait_for_consumer(amqp, settings.queue)
         await place(amqp, settings, "k-1")
-        if crash_at != WAIT_REGISTERED:
+        if crash_at != WORKFLOW_WAIT_REGISTERED:
             await until_waiting(engine, 1)
             await resolve()
         await asyncio.to_thread(worker.wait, 60)
@@ -341,7 +396,7 @@ async def test_a_worker_killed_at_a_crash_point_of_a_wait_resumes_the_workflow_o
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE inbox SET lease_until = now() - interval '1 second'"))
     with worker_process(settings, log, **HANDLERS) as worker:
-        if crash_at == WAIT_REGISTERED:
+        if crash_at == WORKFLOW_WAIT_REGISTERED:
             await until_waiting(engine, 1)
             await resolve()
         await until_completed(engine, 2 if outcome == "event" else 1)

@@ -18,14 +18,10 @@ from typing import Any
 from worker.core.context import Context
 from worker.core.envelope import MAX_KEY_LENGTH, storable_text
 from worker.errors import HandlerRegistrationError, Rejected
-from worker.faults import crash_point
+from worker.faults import WORKFLOW_RESUMED_BEFORE_COMMIT, crash_point
 from worker.sql import waits
 
 log = logging.getLogger(__name__)
-
-RESUMED_BEFORE_COMMIT = "workflow.resumed_before_commit"
-"""A signal resolved its waits, cancelled their timers and appended their resume messages; its
-unit of work has not committed."""
 
 
 class InvalidSignal(Rejected):
@@ -98,7 +94,7 @@ class Signal:
                 self.routing_key,
                 correlation,
             )
-        crash_point(RESUMED_BEFORE_COMMIT)
+        crash_point(WORKFLOW_RESUMED_BEFORE_COMMIT)
         if not resolved:
             return {"buffered": True}
         return {"resumed": [[w.handler, w.key, w.name] for w in resolved]}

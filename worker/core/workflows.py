@@ -45,7 +45,7 @@ from worker.core.events import Event, due
 from worker.core.outcomes import Outcome
 from worker.core.signals import correlation_text
 from worker.errors import Rejected, Retryable, WorkerError, handler_failed, is_transient
-from worker.faults import crash_point
+from worker.faults import WORKFLOW_TIMEOUT_BEFORE_COMMIT, WORKFLOW_WAIT_REGISTERED, crash_point
 from worker.sql import inbox, outbox, waits
 from worker.sql.driver import in_transaction
 from worker.sql.rows import OutboxMessage
@@ -59,13 +59,6 @@ BEFORE_COMMIT = "workflow.before_commit:"
 """Crash point prefix: ``workflow.before_commit:<step>`` is reached after the step's work (its
 external call included), before its transaction commits."""
 
-
-WAIT_REGISTERED = "workflow.wait_registered"
-"""A wait and its timer committed and the workflow's lease is released; the delivery that
-registered them has not been acked."""
-
-TIMEOUT_BEFORE_COMMIT = "workflow.timeout_before_commit"
-"""A wait whose deadline passed is resolved as timed out; that transaction has not committed."""
 
 TIMER_HEADER = "x-worker-timer"
 """On a wait's timer (its scheduled resume message): the name of the wait it times out."""
@@ -242,13 +235,13 @@ class Workflow:
             elif state.outcome is None and state.due:
                 await waits.resolve_wait(conn, handler, self.key, name, outcome=waits.TIMEOUT)
                 state = waits.WaitState(waits.TIMEOUT, None, True)
-                crash_point(TIMEOUT_BEFORE_COMMIT)
+                crash_point(WORKFLOW_TIMEOUT_BEFORE_COMMIT)
             elif state.outcome is None:
                 # resumed before its time (a redelivery of the starting message): wait on
                 await inbox.release_workflow(conn, handler, self.key, self.owner)
                 suspend = True
         if registered:
-            crash_point(WAIT_REGISTERED)
+            crash_point(WORKFLOW_WAIT_REGISTERED)
             self.config.committed_events()
         if suspend:
             log.info("workflow %s of %s waits (%s)", self.key, handler, name)
