@@ -37,14 +37,7 @@ from tests.integration.orders_flow import (
 )
 from tests.integration.support import declare, wait_for_consumer, worker_process
 from worker import faults
-from worker.core.signals import RESUMED_BEFORE_COMMIT
-from worker.core.workflows import (
-    AFTER_STEP,
-    BEFORE_COMMIT,
-    TIMEOUT_BEFORE_COMMIT,
-    TIMER_HEADER,
-    WAIT_REGISTERED,
-)
+from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT, TIMER_HEADER
 from worker.settings import Settings
 
 HANDLERS = {"WORKER_HANDLERS": "examples.orders"}
@@ -63,14 +56,14 @@ class Crash:
     @property
     def before_wait(self) -> bool:
         """Dies before the workflow is seen waiting (while it registers its wait)."""
-        return self.point == WAIT_REGISTERED
+        return self.point == faults.WORKFLOW_WAIT_REGISTERED
 
 
 CRASHES = [
-    Crash(WAIT_REGISTERED, EXPIRE),
-    Crash(WAIT_REGISTERED, CONFIRM),
-    Crash(TIMEOUT_BEFORE_COMMIT, EXPIRE),
-    Crash(RESUMED_BEFORE_COMMIT, CONFIRM),
+    Crash(faults.WORKFLOW_WAIT_REGISTERED, EXPIRE),
+    Crash(faults.WORKFLOW_WAIT_REGISTERED, CONFIRM),
+    Crash(faults.WORKFLOW_TIMEOUT_BEFORE_COMMIT, EXPIRE),
+    Crash(faults.WORKFLOW_RESUMED_BEFORE_COMMIT, CONFIRM),
     Crash(BEFORE_COMMIT + "release_reservation", EXPIRE),
     Crash(AFTER_STEP + "release_reservation", EXPIRE),
     # the gateway was called, the step did not commit: it runs again under the same step key
