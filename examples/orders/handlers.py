@@ -62,7 +62,6 @@ SHIPPING_TIMEOUT = shipping_timeout(os.environ)
 router = Router(
     "orders", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata
 )
-router.signal("shipping.confirmed", field="order_id")
 
 
 class OrderPlaced(BaseModel):
@@ -90,10 +89,16 @@ class OrderCancelled(OrderShipped):
 
 
 class ShippingConfirmed(BaseModel):
-    """The body of ``shipping.confirmed``, the carrier's word that it has the order's parcel."""
+    """The body of ``shipping.confirmed``, the carrier's word that it has the order's parcel;
+    one without a string ``tracking`` is parked as ``invalid`` before it resumes anything."""
+
+    model_config = ConfigDict(strict=True)
 
     order_id: str = Field(min_length=1)
     tracking: str
+
+
+router.signal("shipping.confirmed", field="order_id", body=ShippingConfirmed)
 
 
 @router.workflow(

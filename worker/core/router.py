@@ -157,6 +157,7 @@ class Router:
         field: str | None = None,
         header: str | None = None,
         name: str | None = None,
+        body: Any = Any,
     ) -> None:
         """Declare ``routing_key`` a signal for workflows that ``wf.wait_for`` it: its
         correlation is the top-level ``field`` of its JSON object body, or its ``header``
@@ -164,11 +165,14 @@ class Router:
 
         It is served by a built-in handler (``name``: default the routing key), so a signal is
         bound, deduplicated by the inbox and failed like any message; one whose correlation is
-        missing or unusable is parked. It resumes the waits for its correlation that are open,
-        else it is kept for the next wait for it (until the inbox's retention).
+        missing or unusable is parked. ``body`` is its body type, checked as a handler's is: a
+        signal that fails it is parked as ``invalid`` before it resolves any wait, so a waiting
+        workflow only ever resumes with a body of that type (``wait_for`` returns it as JSON).
+        It resumes the waits for its correlation that are open, else it is kept for the next
+        wait for it (until the inbox's retention).
         """
         declared = Signal(routing_key, field=field, header=header)
-        self._add(Handler(name or routing_key, routing_key, declared.handle, Any))
+        self._add(Handler(name or routing_key, routing_key, declared.handle, body))
         self._signals[routing_key] = declared
 
     def declares_signal(self, routing_key: str) -> bool:

@@ -15,6 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from worker.core.codec import to_jsonable
 from worker.core.context import Context
 from worker.core.envelope import MAX_KEY_LENGTH, storable_text
 from worker.errors import HandlerRegistrationError, Rejected
@@ -67,6 +68,7 @@ class Signal:
     async def handle(self, body: Any, ctx: Context) -> dict[str, Any]:
         """Resolve the open waits for this signal's correlation, or buffer it; its stored result
         says which: ``{"resumed": [[handler, key, wait], …]}`` or ``{"buffered": true}``."""
+        body = to_jsonable(body)  # (a body type's model, validated, as the JSON it stores)
         correlation = self.correlation(body, ctx.envelope.delivery.headers)
         event = {"body": body, "message_id": ctx.message_id}
         await waits.lock_correlation(ctx.connection, self.routing_key, correlation)
