@@ -35,6 +35,7 @@ from tests.integration.waiting_handlers import (
     router,
 )
 from worker import Router, Workflow
+from worker.core.workflows import TIMER_HEADER, WorkflowBusy
 from worker.faults import (
     WORKFLOW_RESUMED_BEFORE_COMMIT,
     WORKFLOW_TIMEOUT_BEFORE_COMMIT,
@@ -533,3 +534,35 @@ async def test_a_wait_for_an_undeclared_signal_fails_the_workflow(engine: AsyncE
     assert ended.outcome == "dead_lettered"
     assert "no router.signal declares routing key 'nobody.sends'" in str(ended.error)
     assert await scalar(engine, "SELECT count(*) FROM workflow_waits") == 0
+
+
+async def test_a_timer_late_for_a_running_workflow_is_dropped_not_retried(
+    engine: AsyncEngine,
+) -> None:
+    harness = Harness(router, engine)
+    body = {"order_id": "t-1"}
+
+    # Given a workflow whose wait its signal resolved, now running in another delivery (its
+    # resume message took it over: a live owner and lease)
+    assert (await harness.deliver(ORDER, body, key="order-t-1")).outcome == "waiting"
+    await harness.deliver(CONFIRMED, {"order_id": "t-1"}, key="c-t-1")
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE inbox SET owner = 'resumed', lease_until = now() + interval '1 hour'"
+                " WHERE key = 'order-t-1'"
+            )
+        )
+
+    # When the wait's timer comes anyway (published before the signal cancelled it)
+    late = await harness.deliver(ORDER, body, key="order-t-1", headers={TIMER_HEADER: "shipped"})
+
+    # Then it is acked as a duplicate: the resume message carries the workflow on
+    assert late.outcome == "duplicate"
+
+    # While any other delivery of the running workflow is retried (it may be what carries the
+    # workflow on: a redelivery of the owner's own), as is a timer of a wait still open
+    with pytest.raises(WorkflowBusy):
+        await harness.deliver(ORDER, body, key="order-t-1")
+    with pytest.raises(WorkflowBusy):
+        await harness.deliver(ORDER, body, key="order-t-1", headers={TIMER_HEADER: "other"})

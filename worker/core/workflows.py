@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy.ext.asyncio import AsyncEngine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker.core.claims import claim, duplicate
 from worker.core.codec import JSON_CONTENT_TYPE, to_jsonable
@@ -275,6 +275,26 @@ class Workflow:
             )
 
 
+async def _obsolete_timer(conn: AsyncConnection, envelope: Envelope) -> bool:
+    """Whether this delivery is the timer of a wait its signal resolved first: then the signal's
+    resume message carries the workflow on, and the timer, finding the workflow running, is
+    dropped (acked as a duplicate) instead of retried until a long run outlasts the retry chain.
+    Any other delivery of a running workflow may be what carries it on (a redelivery of the
+    owner's own), so it is retried."""
+    name = envelope.delivery.headers.get(TIMER_HEADER)
+    if not isinstance(name, str):
+        return False
+    state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
+    if state is None or state.outcome != waits.EVENT:
+        return False
+    log.info(
+        "timer of wait %s of workflow %s came after its signal, while the workflow runs: dropped",
+        name,
+        envelope.key,
+    )
+    return True
+
+
 async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig) -> Outcome:
     """Run (or resume) the envelope's workflow to its end and mark its key completed.
 
@@ -295,6 +315,8 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
                 conn, handler.name, envelope.key, owner=owner, lease=lease
             )
             if not taken:
+                if await _obsolete_timer(conn, envelope):
+                    return Outcome.DUPLICATE
                 raise WorkflowBusy(f"workflow {envelope.key!r} is running in another delivery")
         # a key claimed just now has no steps (they cascade with its inbox row)
         outputs = (
