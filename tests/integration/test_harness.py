@@ -15,7 +15,7 @@ from aio_pika.abc import AbstractIncomingMessage, AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from examples.orders import add_stock
+from examples.orders import SHIPPING_TIMEOUT, add_stock
 from examples.orders import router as orders
 from examples.orders.gateway import charge_id_for
 from examples.payments import router as payments
@@ -177,6 +177,42 @@ async def test_an_order_workflow_ships_once(engine: AsyncEngine) -> None:
         ("reserve_inventory",),
         ("charge_payment",),
         ("dispatch_shipping",),
+    ]
+
+
+async def test_an_order_workflow_times_out_once_time_advances_and_its_timer_is_delivered(
+    engine: AsyncEngine,
+) -> None:
+    """The harness delivers nothing by itself: a waiting workflow resumes when the test delivers
+    the timer that ``advance`` published (as testing.md shows)."""
+    await seed_stock(engine, "widget", 5)
+    harness = Harness(orders, engine)
+
+    # Given an order dispatched and waiting for its confirmation
+    first = await harness.deliver("order.placed", order("o1", quantity=2), key="o1")
+    assert first.outcome == "waiting"
+    [shipped] = harness.published
+
+    # When half its timeout passes, then all of it, and the timer then published is delivered
+    assert await harness.advance(SHIPPING_TIMEOUT / 2) == []
+    [timer] = await harness.advance(SHIPPING_TIMEOUT)
+    timed_out = await harness.deliver_event(timer)
+    late = await harness.deliver(
+        "shipping.confirmed", {"order_id": "o1", "tracking": "TRK-1"}, message_id="c1"
+    )
+
+    # Then the timer was a copy of the order, the order was cancelled and refunded once, and
+    # the confirmation that came after the timeout resumed nothing
+    assert (timer.routing_key, timer.body) == ("order.placed", order("o1", quantity=2))
+    assert (shipped.routing_key, timed_out.outcome) == ("order.shipped", "processed")
+    assert timed_out.result["status"] == "cancelled"
+    assert [event.routing_key for event in timed_out.events] == ["order.cancelled"]
+    assert late.result == {"buffered": True}
+    assert harness.published == [shipped, timer, *timed_out.events]
+    assert await scalar(engine, "SELECT available FROM stock WHERE sku = 'widget'") == 5
+    assert await rows(engine, "SELECT operation FROM gateway_calls ORDER BY operation") == [
+        ("charge",),
+        ("refund",),
     ]
 
 
