@@ -150,8 +150,9 @@ class Delivered:
     """How one delivery ended, and the events that its transactions committed.
 
     ``outcome`` is the worker's ``Outcome``: ``processed``, ``duplicate``,
-    ``duplicate_of_failed`` or ``dead_lettered``. ``key`` is the idempotency key (of a dead
-    letter: when it had a valid one). A dead letter has the ``reason`` and ``error`` its
+    ``duplicate_of_failed``, ``waiting`` (a workflow stopped at a wait: what resumes it is
+    published, for the test to deliver) or ``dead_lettered``. ``key`` is the idempotency key (of
+    a dead letter: when it had a valid one). A dead letter has the ``reason`` and ``error`` its
     ``x-worker-reason`` and ``x-worker-error`` headers would carry, ``exception`` the exception
     that rejected it (for ``handler-error``, the handler's own), and ``dead_letter_headers`` the
     headers of the copy the worker would park. ``result`` is what the key's inbox row stores
