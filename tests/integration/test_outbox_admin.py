@@ -28,9 +28,10 @@ from tests.integration.support import (
     running_relay,
     schedule,
 )
-from worker import outbox
+from worker import Router, Workflow, outbox
 from worker.settings import Settings
 from worker.sql import inspection
+from worker.testing import Harness
 
 UNBOUND = "stock.changed"
 """A routing key no queue is bound to, as the getting-started service's events are at first."""
@@ -480,6 +481,38 @@ async def test_cancel_of_a_published_a_parked_or_an_unknown_id_says_so_and_exits
     ]
     assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
     assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 1
+
+
+async def test_cancel_leaves_a_waiting_workflows_timer_scheduled_and_exits_1(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given a workflow sleeping for an hour (its timer scheduled) and an event scheduled too
+    router = Router()
+
+    @router.workflow("nap.requested")
+    async def nap(body: dict[str, str], wf: Workflow) -> None:
+        await wf.sleep("nap", timedelta(hours=1))
+
+    napping = await Harness(router, engine).deliver("nap.requested", {}, key="n1")
+    assert napping.outcome == "waiting"
+    timer = await scalar(engine, "SELECT timer_id FROM workflow_waits WHERE outcome IS NULL")
+    (scheduled,) = await schedule(engine, settings, timedelta(hours=1))
+
+    # When an operator cancels both
+    result = await worker(settings, "outbox", "cancel", str(timer), str(scheduled))
+
+    # Then the event is cancelled, the timer is named as one and left scheduled, the status is 1
+    assert result.returncode == 1
+    assert result.stdout.splitlines() == [
+        f"cancelled    message_id={scheduled}",
+        f"timer        message_id={timer}",
+        "1 outbox event(s) cancelled",
+    ]
+    assert result.stderr.splitlines() == [
+        f"worker: error: not cancelled: {timer} (the timer of a waiting workflow, see `worker "
+        "workflows`: without it a wait would end only by its signal, and a sleep never)"
+    ]
+    assert await rows(engine, "SELECT message_id FROM outbox_scheduled") == [(timer,)]
 
 
 async def test_cancel_of_something_that_is_no_message_id_is_a_usage_error(

@@ -358,33 +358,42 @@ async def retry_outbox(
 @dataclass(frozen=True)
 class Cancelled:
     """What ``cancel_outbox`` did to each message id asked for, in the order asked: those taken
-    back (``cancelled``: never published once the transaction committed), those parked in
-    ``outbox_parked`` (left there: ``worker outbox retry`` or nothing), and the rest
-    (``unknown``: published already, or never an event of this outbox; the outbox keeps no
-    record of what it published, so the two cannot be told apart)."""
+    back (``cancelled``: never published once the transaction committed), the timers of
+    workflows' open waits (``timers``: left scheduled, as without one a wait would end only
+    by its signal, and a sleep never), those parked in ``outbox_parked`` (left
+    there: ``worker outbox retry`` or nothing), and the rest (``unknown``: published already,
+    or never an event of this outbox; the outbox keeps no record of what it published, so the
+    two cannot be told apart)."""
 
     cancelled: list[uuid.UUID]
     parked: list[uuid.UUID]
     unknown: list[uuid.UUID]
+    timers: list[uuid.UUID] = dataclasses.field(default_factory=list)
 
 
 async def cancel_outbox(
     settings: Settings, message_ids: Sequence[uuid.UUID], *, dry_run: bool = False
 ) -> Cancelled:
     """Cancel the unpublished events ``message_ids`` (scheduled, or waiting in the outbox) with
-    ``worker.sql.outbox.cancel``, all in one transaction; with ``dry_run`` that transaction is
-    rolled back, so the answer is exactly what a real run would have done at that instant."""
+    ``worker.sql.outbox.cancel``, all in one transaction, except a workflow's timer (see
+    ``Cancelled``); with ``dry_run`` that transaction is rolled back, so the answer is exactly
+    what a real run would have done at that instant."""
 
     async def cancel(engine: AsyncEngine) -> Cancelled:
         asked = list(dict.fromkeys(message_ids))
         async with engine.connect() as conn, conn.begin() as transaction:
-            taken = [message_id for message_id in asked if await outbox.cancel(conn, message_id)]
-            rest = [message_id for message_id in asked if message_id not in taken]
+            timers = set(await inspection.open_wait_timers(conn, asked))
+            events = [message_id for message_id in asked if message_id not in timers]
+            taken = [message_id for message_id in events if await outbox.cancel(conn, message_id)]
+            rest = [message_id for message_id in events if message_id not in taken]
             parked = set(await inspection.parked_message_ids(conn, rest)) if rest else set()
             if dry_run:
                 await transaction.rollback()
         return Cancelled(
-            taken, [m for m in rest if m in parked], [m for m in rest if m not in parked]
+            taken,
+            [m for m in rest if m in parked],
+            [m for m in rest if m not in parked],
+            [m for m in asked if m in timers],
         )
 
     return await _with_engine(settings, cancel)

@@ -359,6 +359,17 @@ async def parked_message_ids(
     return [message_id for (message_id,) in await conn.execute(stmt)]
 
 
+async def open_wait_timers(
+    conn: AsyncConnection, message_ids: Sequence[uuid.UUID]
+) -> list[uuid.UUID]:
+    """Those of ``message_ids`` that are the timer of a workflow's open wait: the only thing
+    that ends that wait if its signal never comes (a sleep's, the only thing at all)."""
+    stmt = select(workflow_waits.c.timer_id).where(
+        workflow_waits.c.timer_id.in_(list(message_ids)), workflow_waits.c.outcome.is_(None)
+    )
+    return [message_id for (message_id,) in await conn.execute(stmt)]
+
+
 @dataclass(frozen=True)
 class HurriedOutboxRow:
     """A backing-off row made due now: its id, message id, routing key and failed attempts."""

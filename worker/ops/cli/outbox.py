@@ -197,6 +197,7 @@ def _cancel(settings: Settings, args: argparse.Namespace) -> int:
     verb = "would cancel" if args.dry_run else "cancelled"
     outcomes = [
         *((message_id, verb) for message_id in done.cancelled),
+        *((message_id, "timer") for message_id in done.timers),
         *((message_id, "parked") for message_id in done.parked),
         *((message_id, "unknown") for message_id in done.unknown),
     ]
@@ -211,6 +212,13 @@ def _cancel(settings: Settings, args: argparse.Namespace) -> int:
             print(f"dry run: {said} would be cancelled; nothing changed")
         else:
             print(f"{said} cancelled")
+    if done.timers:
+        show(
+            f"worker: error: not cancelled: {', '.join(map(str, done.timers))} "
+            "(the timer of a waiting workflow, see `worker workflows`: without it a wait would "
+            "end only by its signal, and a sleep never)",
+            file=sys.stderr,
+        )
     if done.parked:
         show(
             f"worker: error: parked, not cancelled: {', '.join(map(str, done.parked))} "
@@ -223,7 +231,7 @@ def _cancel(settings: Settings, args: argparse.Namespace) -> int:
             f"{', '.join(map(str, done.unknown))} (published already, or never sent)",
             file=sys.stderr,
         )
-    return Exit.FAILED if done.parked or done.unknown else Exit.OK
+    return Exit.FAILED if done.timers or done.parked or done.unknown else Exit.OK
 
 
 def _message_id(raw: str) -> uuid.UUID:
@@ -254,8 +262,11 @@ CANCEL = Command(
     "In one transaction, for each MESSAGE_ID: an event scheduled for later, or waiting in "
     "the outbox (pending or backing off), is deleted, so it is never published (a relay "
     "publishing it at that instant finishes first, and then it is not there to cancel). "
-    "Prints a line per message id: cancelled, parked (left in outbox_parked) or unknown "
-    "(published already, or never sent: the outbox keeps no record of what it published), "
+    "A waiting workflow's timer (`worker workflows` lists the waits) is left scheduled: "
+    "without it a wait would end only by its signal, and a sleep never. "
+    "Prints a line per message id: cancelled, timer (left scheduled), parked (left in "
+    "outbox_parked) or unknown (published already, or never sent: the outbox keeps no record "
+    "of what it published), "
     "and the total. --dry-run rolls the transaction back and says what it would have done. "
     "Exits 1 when a message id was not cancelled.",
     options=_cancel_options,
