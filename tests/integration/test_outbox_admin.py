@@ -168,6 +168,7 @@ async def test_outbox_list_json_is_one_object_per_row(
         "available_at",
         "due_in_seconds",
         "parked_at",
+        "timer",
     }
     assert (first["state"], first["message_id"], first["ordering_key"]) == (
         "pending",
@@ -184,6 +185,7 @@ async def test_outbox_list_json_is_one_object_per_row(
     available_at = datetime.fromisoformat(second["available_at"])
     assert available_at > datetime.fromisoformat(second["created_at"])
     assert second["parked_at"] is None
+    assert (first["timer"], second["timer"]) == (None, None)
 
 
 async def test_an_unknown_state_is_a_usage_error_that_lists_the_valid_ones(
@@ -498,10 +500,17 @@ async def test_cancel_leaves_a_waiting_workflows_timer_scheduled_and_exits_1(
     timer = await scalar(engine, "SELECT timer_id FROM workflow_waits WHERE outcome IS NULL")
     (scheduled,) = await schedule(engine, settings, timedelta(hours=1))
 
-    # When an operator cancels both
+    # When an operator lists the scheduled events, then cancels both
+    listed = await worker(settings, "outbox", "list", "--state", "scheduled")
     result = await worker(settings, "outbox", "cancel", str(timer), str(scheduled))
 
-    # Then the event is cancelled, the timer is named as one and left scheduled, the status is 1
+    # Then the list names the timer's wait; the event is cancelled, the timer is named as one
+    # and left scheduled, and the status is 1
+    timer_line, event_line = listed.stdout.splitlines()[:2]
+    assert f"message_id={timer} " in timer_line
+    assert "routing_key=nap.requested" in timer_line
+    assert timer_line.endswith(" timer=nap (a waiting workflow's)")
+    assert "timer=" not in event_line
     assert result.returncode == 1
     assert result.stdout.splitlines() == [
         f"cancelled    message_id={scheduled}",

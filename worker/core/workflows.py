@@ -60,7 +60,7 @@ BEFORE_COMMIT = "workflow.before_commit:"
 external call included), before its transaction commits."""
 
 
-TIMER_HEADER = "x-worker-timer"
+TIMER_HEADER = waits.TIMER_HEADER
 """On a wait's timer (its scheduled resume message): the name of the wait it times out."""
 
 

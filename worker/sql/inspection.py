@@ -34,6 +34,7 @@ from worker.sql.tables import (
     outbox_scheduled,
     workflow_waits,
 )
+from worker.sql.waits import TIMER_HEADER
 
 
 @dataclass(frozen=True)
@@ -262,7 +263,8 @@ class OutboxEntry:
     by a relay). Both are None for a parked row, and ``parked_at`` is None for any other.
     ``last_error`` is the last failed publish's error (kept by a row moved back from
     ``outbox_parked`` until a new failure replaces it); a scheduled event has none, and 0
-    ``attempts``.
+    ``attempts``. ``timer`` is, for a waiting workflow's timer, the name of the wait it ends
+    (None for any other event).
     """
 
     state: str
@@ -277,6 +279,7 @@ class OutboxEntry:
     available_at: datetime | None
     due_in_seconds: float | None
     parked_at: datetime | None
+    timer: str | None
 
 
 _ENTRY_COLUMNS = (
@@ -345,7 +348,8 @@ def entries_query(state: str, limit: int, *, routing_key: str | None = None) -> 
         where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
         order = [table.c.available_at, table.c.id]
         columns = [table.c[name] for name in _ENTRY_COLUMNS]
-    return select(*columns, *extra).where(*where).order_by(*order).limit(limit)
+    timer = table.c.headers[TIMER_HEADER].astext.label("timer")
+    return select(*columns, *extra, timer).where(*where).order_by(*order).limit(limit)
 
 
 async def parked_message_ids(

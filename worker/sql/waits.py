@@ -29,6 +29,9 @@ CORRELATION_LOCK_CLASS = locks.CORRELATION
 """First key of the transaction-scoped advisory lock of one (routing key, correlation): taken by
 a signal before it resolves or buffers, and by a wait before it registers."""
 
+TIMER_HEADER = "x-worker-timer"
+"""On a wait's timer (its scheduled resume message): the name of the wait it times out."""
+
 EVENT = "event"
 """The ``outcome`` of a wait a signal resolved."""
 

@@ -72,6 +72,8 @@ def _line(entry: Any) -> str:
         fields.append(
             f"next_attempt={entry.available_at.isoformat()} (in {entry.due_in_seconds:.0f}s)"
         )
+    if entry.timer is not None:
+        fields.append(f"timer={entry.timer} (a waiting workflow's)")
     if entry.last_error is not None:
         fields.append(f"last_error={entry.last_error!r}")
     return " ".join(fields)
