@@ -30,9 +30,10 @@ from tests.integration.support import (
     running_worker,
     schedule,
 )
+from worker import Router, Workflow
 from worker.ops import admin
 from worker.settings import Settings
-from worker.testing import empty_database
+from worker.testing import Harness, empty_database
 
 
 async def worker(settings: Settings, *argv: str, **env: str) -> subprocess.CompletedProcess[str]:
@@ -161,6 +162,30 @@ async def test_status_json_is_one_object(
     assert status["errors"] == {}
 
 
+async def test_status_counts_the_waiting_workflows_and_shows_none_as_the_oldest(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given a workflow sleeping for an hour: in progress, on purpose
+    router = Router()
+
+    @router.workflow("nap.requested")
+    async def nap(body: dict[str, str], wf: Workflow) -> None:
+        await wf.sleep("nap", timedelta(hours=1))
+
+    assert (await Harness(router, engine).deliver("nap.requested", {}, key="n1")).outcome == (
+        "waiting"
+    )
+
+    # When an operator asks for the status, as text and as JSON
+    result = await worker(settings, "status")
+    as_json = await worker(settings, "status", "--json")
+
+    # Then it is counted as waiting, and not shown as the likeliest to be stuck
+    assert line(result.stdout, "workflows in progress") == "1, 1 of them waiting"
+    workflows = json.loads(as_json.stdout)["database"]["workflows"]
+    assert workflows == {"in_progress": 1, "oldest": None, "waiting": 1}
+
+
 async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
     settings: Settings,
 ) -> None:
@@ -178,7 +203,7 @@ async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
         "scheduled_estimated": False,
         "scheduled_overdue_seconds": 0.0,
     }
-    assert status["database"]["workflows"] == {"in_progress": 0, "oldest": None}
+    assert status["database"]["workflows"] == {"in_progress": 0, "oldest": None, "waiting": 0}
     text_result = await worker(settings, "status")
     assert line(text_result.stdout, f"queue {settings.queue}") == "missing"
     assert line(text_result.stdout, "consuming").startswith("no: queue ")

@@ -90,11 +90,13 @@ class OutboxStatus:
 
 @dataclass(frozen=True)
 class WorkflowStatus:
-    """Workflows in progress, and the one least recently advanced that is not waiting for a
-    signal or a deadline (a waiting one holds nothing on purpose): the likeliest to be stuck."""
+    """Workflows in progress, how many of them wait for a signal or a deadline, and the one
+    least recently advanced that is not waiting (a waiting one holds nothing on purpose): the
+    likeliest to be stuck."""
 
     in_progress: int
     oldest: inspection.WorkflowState | None
+    waiting: int = 0
 
 
 @dataclass(frozen=True)
@@ -191,6 +193,7 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
         stats = await inspection.outbox_stats(conn)
         inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
         oldest = await inspection.in_progress_workflows(conn, 1, waiting=False)
+        waiting = await inspection.waiting_workflows(conn)
     return DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,
@@ -203,7 +206,7 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
         ),
         inbox=inbox,
         # Between steps a workflow's key is the only committed in_progress inbox row there is.
-        workflows=WorkflowStatus(inbox["in_progress"], oldest[0] if oldest else None),
+        workflows=WorkflowStatus(inbox["in_progress"], oldest[0] if oldest else None, waiting),
     )
 
 

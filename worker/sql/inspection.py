@@ -92,6 +92,15 @@ async def in_progress_workflows(
     return [WorkflowState(**row._asdict()) for row in await conn.execute(stmt)]
 
 
+async def waiting_workflows(conn: AsyncConnection) -> int:
+    """How many workflows wait (for a signal or a deadline): their open waits, one at most per
+    workflow (read from the partial index of open waits)."""
+    stmt = (
+        select(func.count()).select_from(workflow_waits).where(workflow_waits.c.outcome.is_(None))
+    )
+    return int((await conn.execute(stmt)).scalar_one())
+
+
 @dataclass(frozen=True)
 class OutboxStats:
     """The outbox at a glance: rows waiting, how long the oldest has waited, rows backing off

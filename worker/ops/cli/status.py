@@ -59,6 +59,8 @@ def _status_lines(status: Status) -> list[tuple[str, str]]:
     lines.append(("outbox scheduled", scheduled))
     lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
     workflows = str(status.database.workflows.in_progress)
+    if status.database.workflows.waiting:
+        workflows += f", {status.database.workflows.waiting} of them waiting"
     if (oldest := status.database.workflows.oldest) is not None:
         workflows += (
             f" (oldest: handler={oldest.handler} key={oldest.key} "
@@ -130,7 +132,8 @@ STATUS = Command(
     "declares: nothing is created); the outbox backlog, its oldest row's age, rows waiting "
     "for a retry, rows parked and events scheduled for later (estimated above 100,000, "
     "shown ~N; with how long the earliest due one is overdue); inbox keys by status; "
-    "workflows in progress and the least recently advanced one. Exits 3, after showing what "
+    "workflows in progress, how many of them wait (for a signal or a deadline: on purpose), "
+    "and the least recently advanced one that does not wait. Exits 3, after showing what "
     "it could read and why the rest could not be read, when PostgreSQL or RabbitMQ cannot be "
     "read.",
     reads=(Group.RETRIES, Group.ENDPOINT),
