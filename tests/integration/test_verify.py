@@ -9,6 +9,7 @@ import json
 import subprocess
 import uuid
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ from examples.payments import invariants as payments_invariants
 from examples.payments import router as payments
 from tests.helpers import WORKER_SCRIPT, payment, run, scalar, wait_until, worker_environ
 from tests.integration.support import EXAMPLES, running_worker
+from worker import Router, Workflow
 from worker.ops import verify
 from worker.settings import Settings
+from worker.testing import Harness
 from worker.transport.topology import declare_topology
 
 WORKER_CHECKS = {
@@ -277,6 +280,36 @@ async def test_a_live_workflow_is_fine_and_one_whose_lease_expired_long_ago_is_s
     assert "order.placed/dead (recovery point charge_payment" in stuck.detail
     assert patient["no-stuck-workflows"].ok
     assert patient["no-stuck-workflows"].detail.startswith("3 key(s) in progress")
+
+
+async def test_a_waiting_workflow_long_past_its_deadline_is_named_as_waiting(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given a workflow sleeping, whose lease and deadline passed an hour ago (moved in SQL)
+    router = Router()
+
+    @router.workflow("nap.requested")
+    async def nap(body: dict[str, str], wf: Workflow) -> None:
+        await wf.sleep("nap", timedelta(minutes=1))
+
+    assert (await Harness(router, engine).deliver("nap.requested", {}, key="n1")).outcome == (
+        "waiting"
+    )
+    await execute(engine, "UPDATE inbox SET lease_until = now() - interval '1 hour'")
+    await execute(engine, "UPDATE workflow_waits SET due_at = now() - interval '1 hour'")
+    due_at = await scalar(engine, "SELECT due_at FROM workflow_waits")
+
+    # When the checks run
+    checks = await run_checks(settings, engine, amqp)
+
+    # Then it is stuck, named as a wait nothing resumed, not by the lease it released
+    stuck = checks["no-stuck-workflows"]
+    assert not stuck.ok
+    assert stuck.detail == (
+        "1 workflow(s) whose lease expired more than 5m ago: nap.requested/n1 (recovery point "
+        f"-, waiting until {due_at.isoformat()}, not resumed: is a relay running, or was its "
+        "timer cancelled?)"
+    )
 
 
 async def test_parked_outbox_rows_fail_unless_allowed(

@@ -269,8 +269,13 @@ async def no_stuck_workflows(deployment: Deployment) -> Check:
             f"{in_progress} key(s) in progress, no workflow lease expired more than {limit} ago",
         )
     names = [
-        f"{key.handler}/{key.key} (recovery point {key.recovery_point or '-'}, lease until "
-        f"{key.lease_until.isoformat() if key.lease_until else '-'})"
+        f"{key.handler}/{key.key} (recovery point {key.recovery_point or '-'}, "
+        + (
+            f"waiting until {key.wait_due_at.isoformat()}, not resumed: is a relay running, "
+            "or was its timer cancelled?)"
+            if key.wait_due_at is not None
+            else f"lease until {key.lease_until.isoformat() if key.lease_until else '-'})"
+        )
         for key in keys
     ]
     return Check(

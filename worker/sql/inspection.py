@@ -13,7 +13,6 @@ from typing import Any
 from sqlalchemy import (
     and_,
     delete,
-    exists,
     func,
     literal,
     null,
@@ -503,16 +502,21 @@ async def retry_parked_outbox(
 
 @dataclass(frozen=True)
 class InProgressKey:
-    """An in-progress inbox key that ``worker verify`` names as stuck."""
+    """An in-progress inbox key that ``worker verify`` names as stuck; ``wait_due_at`` is the
+    deadline of the workflow's open wait, if it waits."""
 
     handler: str
     key: str
     recovery_point: str | None
     lease_until: datetime | None
     updated_at: datetime
+    wait_due_at: datetime | None = None
 
 
-_IN_PROGRESS_KEY_COLUMNS = [inbox.c[name] for name in InProgressKey.__dataclass_fields__]
+_IN_PROGRESS_KEY_COLUMNS = [
+    *(inbox.c[name] for name in ("handler", "key", "recovery_point", "lease_until", "updated_at")),
+    workflow_waits.c.due_at.label("wait_due_at"),
+]
 
 
 async def _in_progress_keys(
@@ -521,6 +525,7 @@ async def _in_progress_keys(
     """How many in-progress keys match ``conditions``, and the ``limit`` least recently updated."""
     stmt = (
         select(*_IN_PROGRESS_KEY_COLUMNS, func.count().over().label("total"))
+        .select_from(inbox.outerjoin(workflow_waits, _OPEN_WAIT))  # (one open wait at most)
         .where(inbox.c.status == "in_progress", *conditions)
         .order_by(inbox.c.updated_at, inbox.c.handler, inbox.c.key)
         .limit(limit)
@@ -549,14 +554,16 @@ async def expired_workflows(
     than ``expired_for`` seconds ago (its timer should have resumed it). Returns the count and
     the ``limit`` oldest."""
     long_ago = func.now() - interval(expired_for)
-    waiting_in_time = exists().where(_OPEN_WAIT, workflow_waits.c.due_at >= long_ago)
+    not_waiting_in_time = or_(  # (the open wait that _in_progress_keys joins, if any)
+        workflow_waits.c.due_at.is_(None), workflow_waits.c.due_at < long_ago
+    )
     return await _in_progress_keys(
         conn,
         limit,
         inbox.c.lease_until.is_not(None),
         inbox.c.handler.not_in(list(handlers)),
         inbox.c.lease_until < long_ago,
-        ~waiting_in_time,
+        not_waiting_in_time,
     )
 
 
