@@ -43,6 +43,10 @@ RELAY_MID_BATCH = "relay.mid_batch"
 RELAY_AFTER_PUBLISH = "relay.after_publish"
 """After the relay's batch was confirmed by the broker, before its rows are deleted."""
 
+SCHEDULE_BEFORE_COMMIT = "schedule.before_commit"
+"""The relay moved due scheduled events into the outbox; the move has not committed (so they
+are still scheduled, and due)."""
+
 CONSUMER_DRAINING = "consumer.draining"
 """Shutting down: consuming was cancelled, units of work in flight are still running."""
 
@@ -55,6 +59,7 @@ POINTS = (
     FAILURES_RECORDED,
     RELAY_MID_BATCH,
     RELAY_AFTER_PUBLISH,
+    SCHEDULE_BEFORE_COMMIT,
     CONSUMER_DRAINING,
 )
 """Every fixed crash point; workflows add ``workflow.after_step:<step>`` and

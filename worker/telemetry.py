@@ -92,6 +92,14 @@ class Count(enum.StrEnum):
     """Outbox rows whose publish failed (returned, nacked or unpublishable), to be retried."""
     RELAY_PARKED = "relay_parked", Exported(_RELAY, _RELAY_HELP, ("result", "parked"))
     """Outbox rows the relay gave up on (of the failed ones)."""
+    SCHEDULED_DUE = (
+        "scheduled_due",
+        Exported(
+            "worker_outbox_scheduled_due_total",
+            "Scheduled events moved into the outbox by the relay when they fell due.",
+        ),
+    )
+    """Scheduled events the relay moved into the outbox once the database's clock said due."""
     INBOX_EXPIRED = (
         "inbox_expired",
         Exported(

@@ -50,6 +50,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -327,16 +328,30 @@ class Harness:
         return ended
 
     async def relay(self) -> list[Published]:
-        """Drain the outbox table: take every due row in id order, delete it, and return it as
-        published (also appended to ``published``). Deliveries do this themselves; call it for
-        rows committed outside them."""
+        """Drain the outbox table: move the scheduled events that are due by the database's
+        clock into it (as a relay does), take every due row in id order, delete it, and return it
+        as published (also appended to ``published``). Deliveries do this themselves; call it for
+        rows committed outside them, and ``advance`` to make scheduled events due."""
         async with self._turn:
+            return await self._relay()
+
+    async def advance(self, by: timedelta) -> list[Published]:
+        """Let ``by`` pass for what is scheduled: every scheduled event (``ctx.publish(delay=)``)
+        is made due that much sooner, by moving its due time in the database (the clock the
+        worker goes by, which the harness cannot move), then the outbox is drained as ``relay``
+        does; returns what was drained. Events still not due stay scheduled."""
+        if by < timedelta(0):
+            raise ValueError("time only moves forward")
+        async with self._turn:
+            async with self.engine.begin() as conn:
+                await outbox.bring_forward(conn, by.total_seconds())
             return await self._relay()
 
     async def _relay(self) -> list[Published]:
         drained: list[Published] = []
         while True:
             async with self.engine.begin() as conn:
+                await outbox.move_due(conn, RELAY_BATCH_SIZE)
                 rows = await outbox.claim_outbox(conn, RELAY_BATCH_SIZE)
                 await outbox.delete_outbox(conn, [row.id for row in rows])
             if not rows:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -655,3 +656,33 @@ async def test_the_harness_keeps_the_workers_depth_limit(engine: AsyncEngine) ->
     deep = b'{"a": {"b": {"c": 1}}, "payment_id": "p", "account": "a", "amount_cents": 1}'
     delivered = await harness.deliver("payment.requested", deep, key="k-deep")
     assert (delivered.outcome, delivered.reason) == ("dead_lettered", "body-too-deep")
+
+
+async def test_a_scheduled_event_is_published_by_the_harness_only_once_time_has_advanced(
+    engine: AsyncEngine,
+) -> None:
+    # Given a handler that schedules a reminder an hour ahead and publishes a receipt now
+    reminders = Router()
+
+    @reminders.handler("invoice.sent")
+    async def remind(body: dict[str, Any], ctx: Context) -> None:
+        ctx.publish("invoice.receipt", body)
+        ctx.publish("invoice.reminder", body, delay=timedelta(hours=1))
+
+    harness = Harness(reminders, engine)
+
+    # When the message is delivered
+    delivered = await harness.deliver("invoice.sent", {"invoice": "i1"}, key="i1")
+
+    # Then only the receipt is published; the reminder waits for its due time
+    assert [e.routing_key for e in delivered.events] == ["invoice.receipt"]
+    assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 1
+
+    # And 59 minutes later it still waits, while an hour later it is published, once
+    assert await harness.advance(timedelta(minutes=59)) == []
+    [reminder] = await harness.advance(timedelta(minutes=1))
+    assert (reminder.routing_key, reminder.body) == ("invoice.reminder", {"invoice": "i1"})
+    assert await harness.relay() == []
+    assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
+    with pytest.raises(ValueError, match="forward"):
+        await harness.advance(timedelta(seconds=-1))

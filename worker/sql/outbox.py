@@ -385,9 +385,10 @@ SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
 
 async def move_due(conn: Connection, limit: int) -> int:
     """Move up to ``limit`` due events from ``outbox_scheduled`` into ``outbox``, earliest first,
-    in ``conn``'s transaction; returns how many were locked (moved, or left for the next call
-    because another transaction holds their ordering key). None are moved when another
-    transaction is moving (one mover at a time, by advisory lock)."""
+    in ``conn``'s transaction; returns how many moved. A due event whose ordering key another
+    transaction holds (appending events of that key) is left for the next call, and none are
+    moved while another transaction is moving (one mover at a time, by advisory lock): then
+    ``next_due_in`` is negative."""
     driver = await in_transaction(conn)
     due = await driver.fetch(DUE_SCHEDULED, limit)
     if not due:
@@ -397,7 +398,7 @@ async def move_due(conn: Connection, limit: int) -> int:
     ids = [row_id for row_id, key in due if key is None or key in held]
     if ids:
         await driver.execute(MOVE_DUE, ids)
-    return len(due)
+    return len(ids)
 
 
 async def next_due_in(conn: Connection) -> float | None:
@@ -405,6 +406,19 @@ async def next_due_in(conn: Connection) -> float | None:
     driver = await in_transaction(conn)
     seconds: float | None = await driver.fetchval(NEXT_DUE_IN)
     return seconds
+
+
+BRING_FORWARD = """
+UPDATE outbox_scheduled SET due_at = due_at - make_interval(secs => $1::float8)
+"""
+"""Make every scheduled event due ``$1`` seconds sooner (the test harness's ``advance``)."""
+
+
+async def bring_forward(conn: Connection, seconds: float) -> None:
+    """Make every scheduled event due ``seconds`` sooner, in ``conn``'s transaction: for tests,
+    which cannot move the database's clock (``worker.testing.Harness.advance``)."""
+    driver = await in_transaction(conn)
+    await driver.execute(BRING_FORWARD, seconds)
 
 
 CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"

@@ -29,6 +29,10 @@ more, lets the other batches in flight end on their own (commit or roll back, ne
 and retries with backoff. A row the broker returns or nacks fails alone: its next try moves out
 exponentially, and after ``relay_max_attempts`` it is moved to ``outbox_parked``. Once ``stop`` is
 set the relay claims nothing more and waits for its batches in flight to commit.
+
+Scheduled events wait in ``outbox_scheduled``; before a claim, the relay moves the ones the
+database's clock says are due into ``outbox`` (``transport.schedule``), where they are claimed like
+any other row.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ from worker.sql.outbox import OutboxRow
 from worker.telemetry import Telemetry
 from worker.transport.failed_events import FailedEvents
 from worker.transport.publisher import Channel, channel_of, properties_of, publish_confirmed
+from worker.transport.schedule import Schedule
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,12 @@ class Relay:
         self._busy: set[str] = set()
         """Ordering keys of the batches in flight, until their transactions have ended."""
         self.failed_events = FailedEvents(log)
+        self.schedule = Schedule(
+            engine,
+            batch=settings.relay_batch_size,
+            poll_interval=settings.relay_poll_interval,
+            telemetry=self.telemetry,
+        )
 
     def wake(self) -> None:
         """Ask for a batch now: new rows were committed."""
@@ -178,7 +189,7 @@ class Relay:
                 if claimed >= self.settings.relay_batch_size:
                     continue
                 idle = MIN_IDLE if claimed else min(idle * 2, self.settings.relay_poll_interval)
-                await self._idle(stop, idle)
+                await self._idle(stop, min(idle, self.schedule.seconds_until_due()))
         except asyncio.CancelledError:
             for batch in self._batches:  # the shutdown's grace period ran out: roll them back
                 batch.cancel()
@@ -193,11 +204,14 @@ class Relay:
                 await self._channel.close()
 
     async def _relay_next(self, stop: asyncio.Event) -> int:
-        """Start the next batch once the pipeline has room; returns how many rows it claimed.
+        """Move the scheduled events that fell due into the outbox (when the schedule says to
+        look), then start the next batch once the pipeline has room; returns how many rows it
+        claimed.
 
         If a batch failed, every other batch in flight is let end first, then its error is
         raised (for ``run`` to retry with backoff, nothing in flight).
         """
+        await self.schedule.move_due()
         await self._reap()
         while len(self._batches) >= PIPELINE_DEPTH:
             await asyncio.wait(self._batches, return_when=asyncio.FIRST_COMPLETED)
@@ -429,7 +443,9 @@ class Relay:
     async def _listen_once(self, stop: asyncio.Event) -> None:
         lost = asyncio.Event()
 
-        def on_notify(*_: Any) -> None:
+        def on_notify(_connection: Any, _pid: int, _channel: str, payload: str) -> None:
+            if payload == outbox.SCHEDULED_NOTICE:
+                self.schedule.notice()
             self._wake.set()
 
         async with self.engine.connect() as conn:
@@ -437,7 +453,8 @@ class Relay:
             assert raw is not None
             raw.add_termination_listener(lambda _: lost.set())
             await raw.add_listener(outbox.OUTBOX_CHANNEL, on_notify)
-            self._wake.set()  # rows committed while nobody listened
+            self.schedule.notice()  # rows committed while nobody listened
+            self._wake.set()
             try:
                 await first(stop.wait(), lost.wait())
             finally:
