@@ -458,7 +458,8 @@ def report(bench: Bench) -> str:
     options = bench.options
     lines = [
         f"scheduled events: {options.rows} rows per drain, {options.future} future events, "
-        f"relay batch {bench.settings.relay_batch_size}, cpu count {os.cpu_count()}",
+        f"relay batch {bench.settings.relay_batch_size}, cpu count {os.cpu_count()}, "
+        f"load average at the end {os.getloadavg()[1]:.1f} (5 min)",
         f"{'drain':<52}{'rows':>8}{'seconds':>9}{'msg/s':>9}{'cpu %':>7}",
     ]
     for d in bench.drains:
