@@ -17,13 +17,14 @@ w0, w1. ``wake-up``: ``benchmarks.relay_latency``'s relay scenario (one row comm
 over. ``after downtime``: N events in ``outbox_scheduled`` that fell due during the last N ms,
    while no relay ran (the future ones still there); a relay is started and timed from its
    start until the last is published, against d1 (the same rows due at once, same table sizes).
-late. ``lateness``: ``--rate`` events per second falling due for ``--seconds``, scheduled ahead
-   through ``worker.outbox.publish_many`` with ``at=`` at 1/rate steps (the future ones still
-   there) while the relay runs; lateness = arrival at a consumer - due, both on the database's
-   clock: each body carries its due time, and arrival times are converted with the offset
-   between this process's clock and ``clock_timestamp()`` measured in the run (its uncertainty,
-   half the best round trip, is printed). Target p99 < 1 s; an arrival before its due time by
-   more than that uncertainty is counted as early (the promise is never early).
+l0, l1. ``lateness``: ``--rate`` events per second falling due for ``--seconds``, scheduled
+   ahead through ``worker.outbox.publish_many`` with ``at=`` at 1/rate steps while the relay
+   runs, with 0 (l0) and with ``--future`` (l1) future events waiting beside them; lateness =
+   arrival at a consumer - due, both on the database's clock: each body carries its due time,
+   and arrival times are converted with the offset between this process's clock and
+   ``clock_timestamp()`` measured in the run (its uncertainty, half the best round trip, is
+   printed). Target p99 < 1 s; an arrival before its due time by more than that uncertainty is
+   counted as early (the promise is never early).
 alt. ``future rows in outbox``: the design not taken, for contrast: the future events kept in
    ``outbox`` itself with a future ``available_at`` (no ``outbox_scheduled``), and d's drain.
 
@@ -176,6 +177,8 @@ class Drain:
 class Lateness:
     """Arrival - due time of each scheduled event that arrived, in seconds, on the DB's clock."""
 
+    key: str
+    label: str
     count: int
     late: list[float]
     duplicates: int
@@ -196,7 +199,7 @@ class Bench:
     drains: list[Drain] = field(default_factory=list)
     wakeups: list[Result] = field(default_factory=list)
     claims: dict[str, tuple[float, float | None]] = field(default_factory=dict)
-    lateness: Lateness | None = None
+    lateness: list[Lateness] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
     def note(self, key: str, text: str) -> None:
@@ -340,7 +343,7 @@ def scheduled_events(bench: Bench, first_due: datetime, count: int) -> Iterator[
         yield Event(OUT_KEY, body, exchange=bench.settings.exchange, at=due)
 
 
-async def lateness(bench: Bench) -> None:
+async def lateness(bench: Bench, key: str, label: str) -> None:
     """Schedule ``--rate`` x ``--seconds`` events due from ``LEAD_SECONDS`` ahead, with a relay
     running, and take each one's arrival - due time, both on the database's clock."""
     count = round(bench.options.rate * bench.options.seconds)
@@ -375,15 +378,16 @@ async def lateness(bench: Bench) -> None:
                 raise RuntimeError("the relay stopped before the events arrived")
             await asyncio.sleep(POLL_INTERVAL)
     late = [at + offset - due[key] for key, at in capture.arrived.items()]
-    bench.lateness = Lateness(count, late, capture.duplicates, scheduling, uncertainty)
+    result = Lateness(key, label, count, late, capture.duplicates, scheduling, uncertainty)
+    bench.lateness.append(result)
     if scheduling > LEAD_SECONDS:
         bench.note(
-            "late",
+            key,
             f"scheduling took {scheduling:.1f} s, more than the lead: early "
             "events were committed after they were due",
         )
     if odd := unusual(stats, EXPECTED_STATS):
-        bench.note("late", f"{odd} (all stats: {dict(stats)})")
+        bench.note(key, f"{odd} (all stats: {dict(stats)})")
 
 
 async def run_scenarios(settings: Settings, options: Options) -> Bench:
@@ -405,6 +409,8 @@ async def run_scenarios(settings: Settings, options: Options) -> Bench:
         await step("d0", "drain, 0 future events", drain(bench, "d0", "0 future events"))
         await step("w0", "wake-up, 0 future events", wake_up(bench, "w0", "0 future events"))
         await time_claims(bench, "0 future events")
+        late = f"lateness at {options.rate:g}/s"
+        await step("l0", late, lateness(bench, "l0", "0 future events"))
         progress(f"loading {future} into outbox_scheduled ...")
         await fill(bench, FILL_FUTURE_SCHEDULED, FUTURE_KEY, options.future, "future events")
         await time_claims(bench, f"{future} in outbox_scheduled")
@@ -416,7 +422,7 @@ async def run_scenarios(settings: Settings, options: Options) -> Bench:
             "after downtime",
             drain(bench, "over", f"{options.rows} overdue, {future}", FILL_OVERDUE),
         )
-        await step("late", f"lateness at {options.rate:g}/s", lateness(bench))
+        await step("l1", late, lateness(bench, "l1", future))
         await reset_tables(bench.engine, ("outbox", "outbox_scheduled"))
         await step("d0", "drain, 0 future events", drain(bench, "d0", "0 future events, again"))
         progress(f"loading {future} into outbox ...")
@@ -487,23 +493,25 @@ def wake_points(ordered: list[float]) -> list[float]:
 
 
 def lateness_lines(bench: Bench) -> list[str]:
-    result, options = bench.lateness, bench.options
-    title = f"lateness at {options.rate:g} due/s for {options.seconds:g} s"
-    if result is None:
-        return [f"{title}: not measured"]
-    if not result.late:
-        return [f"{title}: none of {result.count} arrived"]
-    ordered = sorted(result.late)
-    early = sum(late < -result.clock_uncertainty for late in ordered)
-    missing = result.count - len(ordered)
-    return [
-        f"{title} (arrival - due, DB clock +- {ms(result.clock_uncertainty)} ms; scheduling "
-        f"took {result.scheduling_seconds:.1f} s):",
-        f"  n {len(ordered)} of {result.count}, p50 {ms(percentile(ordered, 50))} ms, "
-        f"p99 {ms(percentile(ordered, 99))} ms, max {ms(ordered[-1])} ms, "
-        f"min {ms(ordered[0])} ms",
-        f"  early {early}, missing {missing}, duplicates {result.duplicates}",
-    ]
+    """Each lateness run: its percentiles, then what arrived early, never or twice."""
+    options = bench.options
+    lines = [f"lateness at {options.rate:g} due/s for {options.seconds:g} s (arrival - due)"]
+    for result in bench.lateness:
+        name = f"({result.key}) {result.label}"
+        if not result.late:
+            lines.append(f"{name}: none of {result.count} arrived")
+            continue
+        ordered = sorted(result.late)
+        early = sum(late < -result.clock_uncertainty for late in ordered)
+        lines += [
+            f"{name}: n {len(ordered)} of {result.count}, p50 {ms(percentile(ordered, 50))} ms, "
+            f"p99 {ms(percentile(ordered, 99))} ms, max {ms(ordered[-1])} ms, "
+            f"min {ms(ordered[0])} ms",
+            f"  early {early}, missing {result.count - len(ordered)}, duplicates "
+            f"{result.duplicates} (DB clock +- {ms(result.clock_uncertainty)} ms; scheduling "
+            f"took {result.scheduling_seconds:.1f} s)",
+        ]
+    return lines
 
 
 def mean_rate(bench: Bench, key: str) -> float | None:
@@ -536,10 +544,13 @@ def ratio_lines(bench: Bench) -> list[str]:
             lines.append(ratio_line(f"w1/w0 p{p}", value, "(compare)", None))
     lines.append(ratio_line("over/d1", ratio(over, d1), "(compare)", None))
     lines.append(ratio_line("alt/d0", ratio(alt, d0), "(compare)", None))
-    if bench.lateness is not None and bench.lateness.late:
-        p99 = percentile(sorted(bench.lateness.late), 99)
-        met = p99 < 1.0 and len(bench.lateness.late) == bench.lateness.count
-        lines.append(f"{'late p99':<14}{p99:>7.3f}s   {'< 1 s':<12} {'met' if met else 'missed'}")
+    p99s = {r.key: percentile(sorted(r.late), 99) for r in bench.lateness if r.late}
+    lines.append(ratio_line("l1/l0 p99", ratio(p99s.get("l1"), p99s.get("l0")), "(compare)", None))
+    for r in bench.lateness:
+        if r.key in p99s:
+            met = p99s[r.key] < 1.0 and len(r.late) == r.count
+            verdict = "met" if met else "missed"
+            lines.append(f"{f'{r.key} p99':<14}{p99s[r.key]:>7.3f}s   {'< 1 s':<12} {verdict}")
     return lines
 
 
