@@ -577,8 +577,8 @@ def lateness_lines(bench: Bench) -> list[str]:
             f"p99 {ms(percentile(ordered, 99))} ms, max {ms(ordered[-1])} ms, "
             f"min {ms(ordered[0])} ms",
             f"  early {early}, missing {result.count - len(ordered)}, duplicates "
-            f"{result.duplicates} (DB clock +- {ms(result.clock_uncertainty)} ms; scheduling "
-            f"took {result.scheduling_seconds:.1f} s)",
+            f"{result.duplicates} (DB clock +- {1000 * result.clock_uncertainty:.2f} ms; "
+            f"scheduling took {result.scheduling_seconds:.1f} s)",
         ]
     return lines
 
