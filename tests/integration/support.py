@@ -13,6 +13,7 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from examples.shop import router as shop_router
 from examples.shop.tables import metadata as shop_metadata
 from tests.helpers import rows, scalar, wait_until, worker_environ
 from worker import Router, schema
+from worker import outbox as public_outbox
 from worker.ops import runner
 from worker.settings import Settings, redact
 from worker.sql import outbox, tables
@@ -256,6 +258,43 @@ async def add_outbox_row(
             )
         ).scalar_one()
     return int(row_id), message_id
+
+
+async def schedule(
+    engine: AsyncEngine,
+    settings: Settings,
+    *delays: timedelta,
+    ordering_key: str | None = None,
+) -> list[uuid.UUID]:
+    """An event of ``ROUTING_KEY`` scheduled ``delay`` ahead for each of ``delays``, through
+    ``worker.outbox.publish_many`` in one transaction; their message ids, in order."""
+    async with engine.begin() as conn:
+        return await public_outbox.publish_many(
+            conn,
+            [
+                public_outbox.Event(
+                    ROUTING_KEY,
+                    {"n": n},
+                    exchange=settings.exchange,
+                    ordering_key=ordering_key,
+                    delay=delay,
+                )
+                for n, delay in enumerate(delays)
+            ],
+        )
+
+
+async def make_overdue(engine: AsyncEngine, message_id: uuid.UUID, seconds: float) -> None:
+    """Move scheduled event ``message_id``'s due time ``seconds`` into the past (no relay moves
+    it: none runs)."""
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox_scheduled SET due_at = now() - make_interval(secs => :s) "
+                "WHERE message_id = :m"
+            ),
+            {"s": seconds, "m": message_id},
+        )
 
 
 async def park(engine: AsyncEngine, settings: Settings, **row: Any) -> tuple[int, uuid.UUID]:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import re
 import subprocess
+from datetime import timedelta
 
 import aio_pika
 from aio_pika.abc import AbstractRobustConnection
@@ -23,9 +24,11 @@ from tests.integration.support import (
     ROUTING_KEY,
     add_outbox_row,
     declare,
+    make_overdue,
     park,
     running_relay,
     running_worker,
+    schedule,
 )
 from worker.ops import admin
 from worker.settings import Settings
@@ -56,7 +59,8 @@ async def given_a_busy_worker(
     engine: AsyncEngine, amqp: AbstractRobustConnection, settings: Settings
 ) -> None:
     """The topology with one ready message; two pending outbox rows (one waiting for a retry,
-    the oldest a minute old), one parked, and inbox keys of every status."""
+    the oldest a minute old), one parked, two events scheduled (one of them due 30 seconds ago,
+    not moved: no relay runs), and inbox keys of every status."""
     await declare(amqp, settings)
     async with amqp.channel() as channel:
         await channel.default_exchange.publish(
@@ -65,6 +69,8 @@ async def given_a_busy_worker(
     await add_outbox_row(engine, settings, age=60.0)
     await add_outbox_row(engine, settings, waiting=True)
     await park(engine, settings)
+    overdue, _ = await schedule(engine, settings, timedelta(hours=1), timedelta(hours=2))
+    await make_overdue(engine, overdue, 30.0)
     await add_inbox_keys(engine)
 
 
@@ -99,6 +105,9 @@ async def test_status_shows_queues_outbox_inbox_and_workflows(
     assert 60 <= float(backlog.group(1)) < 120
     assert line(out, "outbox waiting for a retry") == "1"
     assert line(out, "outbox parked") == "1"
+    scheduled = re.fullmatch(r"2 \(earliest overdue by (\d+\.\d)s\)", line(out, "outbox scheduled"))
+    assert scheduled is not None
+    assert 30 <= float(scheduled.group(1)) < 90
     assert line(out, "inbox completed") == "2"
     assert line(out, "inbox failed") == "1"
     assert line(out, "inbox in_progress") == "1"
@@ -136,7 +145,14 @@ async def test_status_json_is_one_object(
     assert len(queues) == 2 + len(settings.retry_delays)
     outbox = status["database"]["outbox"]
     assert 60 <= outbox.pop("oldest_age_seconds") < 120
-    assert outbox == {"backlog": 2, "waiting_for_retry": 1, "parked": 1}
+    assert 30 <= outbox.pop("scheduled_overdue_seconds") < 90
+    assert outbox == {
+        "backlog": 2,
+        "waiting_for_retry": 1,
+        "parked": 1,
+        "scheduled": 2,
+        "scheduled_estimated": False,
+    }
     assert status["database"]["inbox"] == {"in_progress": 1, "completed": 2, "failed": 1}
     workflows = status["database"]["workflows"]
     assert workflows["in_progress"] == 1
@@ -158,12 +174,16 @@ async def test_status_of_an_idle_worker_reports_missing_queues_and_empty_tables(
         "oldest_age_seconds": None,
         "waiting_for_retry": 0,
         "parked": 0,
+        "scheduled": 0,
+        "scheduled_estimated": False,
+        "scheduled_overdue_seconds": 0.0,
     }
     assert status["database"]["workflows"] == {"in_progress": 0, "oldest": None}
     text_result = await worker(settings, "status")
     assert line(text_result.stdout, f"queue {settings.queue}") == "missing"
     assert line(text_result.stdout, "consuming").startswith("no: queue ")
     assert line(text_result.stdout, "outbox backlog") == "0"
+    assert line(text_result.stdout, "outbox scheduled") == "0"
 
 
 async def test_status_with_an_unreachable_database_exits_3_and_still_shows_the_broker(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -169,6 +170,8 @@ async def test_refresh_of_an_empty_database_reports_zero(engine: AsyncEngine) ->
     assert sample(metrics, "worker_outbox_backlog") == 0
     assert sample(metrics, "worker_outbox_oldest_age_seconds") == 0
     assert sample(metrics, "worker_outbox_parked") == 0
+    assert sample(metrics, "worker_outbox_scheduled") == 0
+    assert sample(metrics, "worker_outbox_scheduled_overdue_seconds") == 0
     for status in ("completed", "failed", "in_progress"):
         assert sample(metrics, "worker_inbox_rows", status=status) == 0
 
@@ -212,6 +215,73 @@ async def test_refresh_reports_the_outbox_backlog_its_age_parked_rows_and_inbox_
     await metrics.refresh(engine)
     assert sample(metrics, "worker_inbox_rows", status="failed") == 0
     assert sample(metrics, "worker_inbox_rows_estimated") == 0
+
+
+async def test_refresh_reports_scheduled_events_and_how_long_a_due_one_waits_to_be_moved(
+    engine: AsyncEngine,
+) -> None:
+    # Given three events scheduled an hour ahead, and no relay to move any of them
+    async with engine.begin() as conn:
+        later = [dataclasses.replace(outbox_message(), due_in=3600.0) for _ in range(3)]
+        await outbox.append_outbox(conn, later)
+    metrics = Metrics()
+
+    # When the gauges are read, then they count the three, none of them overdue, none backlog
+    await metrics.refresh(engine)
+    assert sample(metrics, "worker_outbox_scheduled") == 3
+    assert sample(metrics, "worker_outbox_scheduled_overdue_seconds") == 0
+    assert sample(metrics, "worker_outbox_backlog") == 0
+
+    # When the earliest two become due, 45 and 20 seconds ago (in SQL: no waiting)
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "UPDATE outbox_scheduled SET due_at = now() - interval '45 seconds' "
+                "WHERE id = (SELECT min(id) FROM outbox_scheduled)"
+            )
+        )
+        await conn.execute(
+            text(
+                "UPDATE outbox_scheduled SET due_at = now() - interval '20 seconds' "
+                "WHERE id = (SELECT max(id) FROM outbox_scheduled)"
+            )
+        )
+    await metrics.refresh(engine)
+
+    # Then the overdue age is the earliest one's; they are still scheduled, not yet backlog
+    assert (sample(metrics, "worker_outbox_scheduled_overdue_seconds") or 0) >= 45
+    assert sample(metrics, "worker_outbox_scheduled") == 3
+    assert sample(metrics, "worker_outbox_backlog") == 0
+
+    # When a relay's mover has moved them into the outbox, then nothing scheduled is overdue
+    async with engine.begin() as conn:
+        assert await outbox.move_due(conn, 10) == 2
+    await metrics.refresh(engine)
+    assert sample(metrics, "worker_outbox_scheduled") == 1
+    assert sample(metrics, "worker_outbox_scheduled_overdue_seconds") == 0
+    assert sample(metrics, "worker_outbox_backlog") == 2
+
+
+async def test_many_scheduled_events_are_estimated_from_the_statistics_not_counted(
+    engine: AsyncEngine,
+) -> None:
+    # Given 50 scheduled events the statistics know of
+    async with engine.begin() as conn:
+        soon = [dataclasses.replace(outbox_message(), due_in=60.0 + n) for n in range(50)]
+        await outbox.append_outbox(conn, soon)
+        await conn.execute(text("ANALYZE outbox_scheduled"))
+
+    # When the stats count exactly up to 10 rows, then up to 50
+    async with engine.connect() as conn:
+        estimated = await inspection.outbox_stats(conn, exact_scheduled_up_to=10)
+        exact = await inspection.outbox_stats(conn, exact_scheduled_up_to=50)
+
+    # Then beyond the limit the statistics' count is taken, and within it the rows are counted
+    # (the statistics may still hold an earlier test's rows, reported late: never fewer)
+    assert estimated.scheduled_estimated
+    assert estimated.scheduled >= 50
+    assert (exact.scheduled, exact.scheduled_estimated) == (50, False)
+    assert estimated.scheduled_overdue_seconds == exact.scheduled_overdue_seconds == 0
 
 
 async def test_a_large_inbox_is_estimated_from_the_statistics_not_read_whole(

@@ -1,5 +1,5 @@
-"""``worker outbox list`` and ``retry`` for events in every state, run as the real CLI against
-the real PostgreSQL and RabbitMQ.
+"""``worker outbox list``, ``retry`` and ``cancel`` for events in every state, run as the real
+CLI against the real PostgreSQL and RabbitMQ.
 
 The backing-off rows are made the way a user meets them: a real relay publishes events for a
 routing key no queue is bound to, and the broker returns them.
@@ -9,17 +9,28 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
 
+import sqlalchemy
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until, worker_environ
-from tests.integration.support import ROUTING_KEY, add_outbox_row, declare, park, running_relay
+from tests.integration.support import (
+    ROUTING_KEY,
+    add_outbox_row,
+    declare,
+    make_overdue,
+    park,
+    running_relay,
+    schedule,
+)
 from worker import outbox
 from worker.settings import Settings
+from worker.sql import inspection
 
 UNBOUND = "stock.changed"
 """A routing key no queue is bound to, as the getting-started service's events are at first."""
@@ -97,7 +108,7 @@ async def test_outbox_list_shows_pending_backing_off_and_parked_rows(
     assert lines[3].startswith(f"parked      id={parked_id} message_id={parked_message} ")
     assert "parked_at=" in lines[3]
     assert lines[4:] == [
-        "1 pending, 2 backing-off, 1 parked outbox row(s) shown",
+        "0 scheduled, 1 pending, 2 backing-off, 1 parked outbox row(s) shown",
         "`worker outbox retry --routing-key KEY` (or --id ID, --all) publishes backing-off and "
         "parked rows now",
     ]
@@ -126,8 +137,10 @@ async def test_outbox_list_filters_by_state_and_routing_key(
     assert "1 pending, 1 parked outbox row(s) shown" in parked.stdout
     assert [text.split()[0] for text in by_key.stdout.splitlines()[:2]] == ["pending", "parked"]
     assert f"routing_key={UNBOUND}" not in by_key.stdout
-    assert "1 pending, 0 backing-off, 1 parked outbox row(s) shown" in by_key.stdout
-    assert nothing.stdout.splitlines() == ["0 pending, 0 backing-off, 0 parked outbox row(s) shown"]
+    assert "0 scheduled, 1 pending, 0 backing-off, 1 parked outbox row(s) shown" in by_key.stdout
+    assert nothing.stdout.splitlines() == [
+        "0 scheduled, 0 pending, 0 backing-off, 0 parked outbox row(s) shown"
+    ]
 
 
 async def test_outbox_list_json_is_one_object_per_row(
@@ -182,7 +195,7 @@ async def test_an_unknown_state_is_a_usage_error_that_lists_the_valid_ones(
     assert listed.stdout == ""
     assert (
         "argument --state: invalid choice: 'backing_off' "
-        "(choose from 'pending', 'backing-off', 'parked')" in listed.stderr
+        "(choose from 'scheduled', 'pending', 'backing-off', 'parked')" in listed.stderr
     )
     assert retried.returncode == 2
     assert "(choose from 'backing-off', 'parked')" in retried.stderr
@@ -290,3 +303,192 @@ async def test_retry_all_with_nothing_to_retry_succeeds(settings: Settings) -> N
         "0 backing-off outbox row(s) made due now, 0 parked outbox row(s) moved back into the "
         "outbox"
     ]
+
+
+# --- scheduled events ----------------------------------------------------------------------------
+
+
+async def test_outbox_list_shows_scheduled_events_earliest_due_first_within_the_limit(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given four events scheduled out of order, one of them due a minute ago and not yet moved
+    # (no relay runs), and a pending row
+    later, soon, latest, overdue = await schedule(
+        engine,
+        settings,
+        timedelta(hours=2),
+        timedelta(minutes=10),
+        timedelta(days=3),
+        timedelta(hours=1),
+        ordering_key="acct-1",
+    )
+    await make_overdue(engine, overdue, 60.0)
+    await add_outbox_row(engine, settings)
+
+    # When an operator lists the scheduled events, all of them and then at most three
+    everything = await worker(settings, "outbox", "list", "--state", "scheduled")
+    limited = await worker(settings, "outbox", "list", "--state", "scheduled", "--limit", "3")
+
+    # Then they come earliest due first, each with its due time and how far ahead (or overdue)
+    assert everything.returncode == 0, everything.stderr
+    lines = everything.stdout.splitlines()
+    assert [text.split()[2] for text in lines[:4]] == [
+        f"message_id={m}" for m in (overdue, soon, later, latest)
+    ]
+    for text in lines[:4]:
+        assert text.startswith("scheduled   id=")
+        assert f"routing_key={ROUTING_KEY} ordering_key=acct-1 attempts=0 " in text
+    overdue_by = re.search(r" due_at=(\S+) \(overdue by (\d+)s\)$", lines[0])
+    assert overdue_by is not None
+    assert 60 <= int(overdue_by.group(2)) < 120
+    ahead = [re.search(r" due_at=(\S+) \(in (\d+)s\)$", text) for text in lines[1:4]]
+    seconds_ahead = [int(found.group(2)) for found in ahead if found]
+    for seconds, expected in zip(seconds_ahead, (600, 7200, 3 * 86400), strict=True):
+        assert expected - 60 < seconds <= expected
+    due_times = [datetime.fromisoformat(found.group(1)) for found in [overdue_by, *ahead] if found]
+    assert due_times == sorted(due_times)
+    assert lines[4:] == [
+        "4 scheduled outbox row(s) shown",
+        "`worker outbox cancel MESSAGE_ID...` takes scheduled and pending events back",
+    ]
+    assert limited.returncode == 0, limited.stderr
+    assert [text.split()[2] for text in limited.stdout.splitlines()[:3]] == [
+        f"message_id={m}" for m in (overdue, soon, later)
+    ]
+    assert limited.stdout.splitlines()[3:5] == [
+        "3 scheduled outbox row(s) shown",
+        "(--limit 3 reached for scheduled: there may be more)",
+    ]
+
+
+async def test_outbox_list_json_shows_a_scheduled_event_with_its_due_time(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    (scheduled,) = await schedule(engine, settings, timedelta(minutes=30))
+
+    result = await worker(settings, "outbox", "list", "--json")
+
+    assert result.returncode == 0, result.stderr
+    (row,) = [json.loads(text) for text in result.stdout.splitlines()]
+    assert (row["state"], row["message_id"], row["routing_key"]) == (
+        "scheduled",
+        str(scheduled),
+        ROUTING_KEY,
+    )
+    assert (row["attempts"], row["last_error"], row["parked_at"]) == (0, None, None)
+    assert 29 * 60 < row["due_in_seconds"] <= 30 * 60
+    due_at = datetime.fromisoformat(row["available_at"])
+    created_at = datetime.fromisoformat(row["created_at"])
+    assert due_at - created_at == timedelta(minutes=30)
+
+
+async def test_the_scheduled_listing_reads_a_range_of_the_due_at_index_never_the_table(
+    engine: AsyncEngine,
+) -> None:
+    # Given 20,000 scheduled events the statistics know of
+    async with engine.begin() as conn:
+        await conn.execute(
+            sqlalchemy.text(
+                "INSERT INTO outbox_scheduled (message_id, exchange, routing_key, body, "
+                "content_type, due_at) SELECT gen_random_uuid(), 'events', 'k', '\\x00', "
+                "'application/json', now() + make_interval(secs => n) "
+                "FROM generate_series(1, 20000) AS n"
+            )
+        )
+        await conn.execute(sqlalchemy.text("ANALYZE outbox_scheduled"))
+
+    # When the listing's statement is planned
+    statement = inspection.entries_query("scheduled", 100)
+    async with engine.connect() as conn:
+        compiled = statement.compile(conn.sync_engine, compile_kwargs={"literal_binds": True})
+        plan = "\n".join(
+            row[0] for row in await conn.execute(sqlalchemy.text(f"EXPLAIN {compiled}"))
+        )
+
+    # Then it is a limited scan of the (due_at, id) index: no sequential scan, no sort
+    assert plan.lstrip().startswith("Limit"), plan
+    assert "Index Scan using ix_outbox_scheduled_due_at_id on outbox_scheduled" in plan
+    assert "Seq Scan" not in plan
+    assert "Sort" not in plan
+
+
+async def test_cancel_takes_back_a_scheduled_and_a_pending_event_in_one_transaction(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given an event scheduled for tomorrow, a pending one and one scheduled to stay
+    tomorrow, stays = await schedule(engine, settings, timedelta(days=1), timedelta(days=1))
+    _, pending = await add_outbox_row(engine, settings)
+
+    # When an operator cancels the first two
+    result = await worker(settings, "outbox", "cancel", str(tomorrow), str(pending))
+
+    # Then both are gone and are said to be cancelled; the other waits as before
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        f"cancelled    message_id={tomorrow}",
+        f"cancelled    message_id={pending}",
+        "2 outbox event(s) cancelled",
+    ]
+    assert result.stderr == ""
+    assert await rows(engine, "SELECT message_id FROM outbox_scheduled") == [(stays,)]
+    assert await scalar(engine, "SELECT count(*) FROM outbox") == 0
+
+
+async def test_cancel_of_a_published_a_parked_or_an_unknown_id_says_so_and_exits_1(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given an event a real relay published, a parked one, a scheduled one and an id never sent
+    await declare(amqp, settings)
+    _, published = await add_outbox_row(engine, settings)
+
+    async def drained() -> bool:
+        return bool(await scalar(engine, "SELECT count(*) FROM outbox") == 0)
+
+    async with running_relay(settings):
+        await wait_until(drained)
+    _, parked = await park(engine, settings)
+    (scheduled,) = await schedule(engine, settings, timedelta(hours=1))
+    never_sent = uuid.uuid4()
+    asked = [str(m) for m in (published, parked, scheduled, never_sent)]
+
+    # When an operator cancels them all, first as a dry run, then for real, in JSON
+    dry = await worker(settings, "outbox", "cancel", "--dry-run", *asked)
+    left_by_dry_run = await scalar(engine, "SELECT count(*) FROM outbox_scheduled")
+    done = await worker(settings, "outbox", "cancel", "--json", *asked)
+
+    # Then only the scheduled one is cancelled; the others are named, and the status is 1
+    assert dry.returncode == 1
+    assert dry.stdout.splitlines() == [
+        f"would cancel message_id={scheduled}",
+        f"parked       message_id={parked}",
+        f"unknown      message_id={published}",
+        f"unknown      message_id={never_sent}",
+        "dry run: 1 outbox event(s) would be cancelled; nothing changed",
+    ]
+    assert left_by_dry_run == 1
+    assert done.returncode == 1
+    assert [json.loads(text) for text in done.stdout.splitlines()] == [
+        {"message_id": str(scheduled), "outcome": "cancelled"},
+        {"message_id": str(parked), "outcome": "parked"},
+        {"message_id": str(published), "outcome": "unknown"},
+        {"message_id": str(never_sent), "outcome": "unknown"},
+    ]
+    assert done.stderr.splitlines() == [
+        f"worker: error: parked, not cancelled: {parked} (see `worker outbox list --state parked`)",
+        f"worker: error: no unpublished event has message_id {published}, {never_sent} "
+        "(published already, or never sent)",
+    ]
+    assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
+    assert await scalar(engine, "SELECT count(*) FROM outbox_parked") == 1
+
+
+async def test_cancel_of_something_that_is_no_message_id_is_a_usage_error(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    (scheduled,) = await schedule(engine, settings, timedelta(hours=1))
+
+    result = await worker(settings, "outbox", "cancel", str(scheduled), "42")
+
+    assert result.returncode == 2
+    assert "argument MESSAGE_ID: '42' is not a message id (a UUID)" in result.stderr
+    assert await rows(engine, "SELECT message_id FROM outbox_scheduled") == [(scheduled,)]

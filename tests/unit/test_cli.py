@@ -7,6 +7,7 @@ import ast
 import os
 import re
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,11 @@ from worker.ops.cli import (
 from worker.ops.cli.run import SERVE
 from worker.settings import FIELDS, Field, Group, Settings
 
-NEEDS = {"outbox retry": ["--all"], "dlq show": ["sha256:0"]}
+NEEDS = {
+    "outbox retry": ["--all"],
+    "outbox cancel": ["6f1c0d2e-8d5b-4f5e-9a57-1f1e3c2d4b5a"],
+    "dlq show": ["sha256:0"],
+}
 """Arguments a command cannot be parsed without."""
 
 DEPLOYMENT = {
@@ -116,6 +121,15 @@ def test_each_command_takes_the_deployment_flags(
     settings = load_settings(args)
     deployment = {spec.name: spec.parse(DEPLOYMENT[spec.name]) for spec in _deployment()}
     assert settings == Settings.load({}, **deployment)
+
+
+def test_outbox_cancel_takes_message_ids_as_uuids_each_once_in_the_order_given() -> None:
+    first, second = uuid.uuid4(), uuid.uuid4()
+    args = build_parser().parse_args(
+        ["outbox", "cancel", str(first), str(second).upper(), "--dry-run"]
+    )
+    assert args.message_ids == [first, second]
+    assert args.dry_run
 
 
 def test_the_deployment_flags_are_the_groups_every_command_takes() -> None:

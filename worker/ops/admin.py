@@ -3,9 +3,11 @@
 Looking never changes anything: ``status`` reads the database in one read-only snapshot and asks
 the broker about the worker's queues with passive declares only, so a queue no worker has
 declared yet is reported missing, never created; ``outbox_list`` shows unpublished events in
-every state and changes none. The one write is ``retry_outbox``: in one transaction it makes
+every state and changes none. The writes are ``retry_outbox``, which in one transaction makes
 backing-off rows due now and moves parked rows back into ``outbox`` under their own
-``message_id``, so a consumer that already got a copy deduplicates the next one. Each part of
+``message_id``, so a consumer that already got a copy deduplicates the next one, and
+``cancel_outbox``, which takes unpublished events back (``worker.sql.outbox.cancel``) in one
+transaction. Each part of
 ``status`` fails on its own: an unreachable PostgreSQL still leaves the broker's part, and the
 reverse.
 """
@@ -42,7 +44,7 @@ from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops.http import local_url
 from worker.settings import Settings, format_duration
-from worker.sql import inspection
+from worker.sql import inspection, outbox
 from worker.sql.tables import INBOX_STATUSES
 from worker.transport.connection import connect
 from worker.transport.topology import worker_queues
@@ -73,18 +75,23 @@ class QueueStatus:
 @dataclass(frozen=True)
 class OutboxStatus:
     """Rows waiting to be published, the age of the oldest (None when there is none), how many
-    of them back off after a failed publish, and the rows parked in ``outbox_parked``."""
+    of them back off after a failed publish, the rows parked in ``outbox_parked``, and the
+    events scheduled for later (``inspection.OutboxStats``: an estimate when
+    ``scheduled_estimated``; ``scheduled_overdue_seconds`` 0 unless one is due and not moved)."""
 
     backlog: int
     oldest_age_seconds: float | None
     waiting_for_retry: int
     parked: int
+    scheduled: int
+    scheduled_estimated: bool
+    scheduled_overdue_seconds: float
 
 
 @dataclass(frozen=True)
 class WorkflowStatus:
-    """Workflows in progress, and the one least recently advanced (``worker workflows`` lists it
-    first): the likeliest to be stuck."""
+    """Workflows in progress, and the one least recently advanced that is not waiting for a
+    signal or a deadline (a waiting one holds nothing on purpose): the likeliest to be stuck."""
 
     in_progress: int
     oldest: inspection.WorkflowState | None
@@ -183,13 +190,16 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
     async with snapshot.begin() as conn:
         stats = await inspection.outbox_stats(conn)
         inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
-        oldest = await inspection.in_progress_workflows(conn, 1)
+        oldest = await inspection.in_progress_workflows(conn, 1, waiting=False)
     return DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,
             oldest_age_seconds=stats.oldest_age_seconds if stats.backlog else None,
             waiting_for_retry=stats.waiting_for_retry,
             parked=stats.parked,
+            scheduled=stats.scheduled,
+            scheduled_estimated=stats.scheduled_estimated,
+            scheduled_overdue_seconds=stats.scheduled_overdue_seconds,
         ),
         inbox=inbox,
         # Between steps a workflow's key is the only committed in_progress inbox row there is.
@@ -343,6 +353,41 @@ async def retry_outbox(
         return Retried(hurried, moved, due, [i for i in rest if i not in due])
 
     return await _with_engine(settings, retry)
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """What ``cancel_outbox`` did to each message id asked for, in the order asked: those taken
+    back (``cancelled``: never published once the transaction committed), those parked in
+    ``outbox_parked`` (left there: ``worker outbox retry`` or nothing), and the rest
+    (``unknown``: published already, or never an event of this outbox; the outbox keeps no
+    record of what it published, so the two cannot be told apart)."""
+
+    cancelled: list[uuid.UUID]
+    parked: list[uuid.UUID]
+    unknown: list[uuid.UUID]
+
+
+async def cancel_outbox(
+    settings: Settings, message_ids: Sequence[uuid.UUID], *, dry_run: bool = False
+) -> Cancelled:
+    """Cancel the unpublished events ``message_ids`` (scheduled, or waiting in the outbox) with
+    ``worker.sql.outbox.cancel``, all in one transaction; with ``dry_run`` that transaction is
+    rolled back, so the answer is exactly what a real run would have done at that instant."""
+
+    async def cancel(engine: AsyncEngine) -> Cancelled:
+        asked = list(dict.fromkeys(message_ids))
+        async with engine.connect() as conn, conn.begin() as transaction:
+            taken = [message_id for message_id in asked if await outbox.cancel(conn, message_id)]
+            rest = [message_id for message_id in asked if message_id not in taken]
+            parked = set(await inspection.parked_message_ids(conn, rest)) if rest else set()
+            if dry_run:
+                await transaction.rollback()
+        return Cancelled(
+            taken, [m for m in rest if m in parked], [m for m in rest if m not in parked]
+        )
+
+    return await _with_engine(settings, cancel)
 
 
 async def _with_engine(settings: Settings, use: Callable[[AsyncEngine], Awaitable[_T]]) -> _T:

@@ -40,6 +40,19 @@ class Metrics(Telemetry):
         self.outbox_parked = Gauge(
             "worker_outbox_parked", "Rows in outbox_parked, given up by the relay.", registry=r
         )
+        self.outbox_scheduled = Gauge(
+            "worker_outbox_scheduled",
+            "Events scheduled for later, waiting in outbox_scheduled for their due time; "
+            f"estimated from PostgreSQL's statistics above "
+            f"{inspection.EXACT_SCHEDULED_COUNT_LIMIT:,} rows.",
+            registry=r,
+        )
+        self.outbox_scheduled_overdue = Gauge(
+            "worker_outbox_scheduled_overdue_seconds",
+            "How long the earliest due scheduled event has waited for a relay to move it into "
+            "the outbox; 0 when none is due.",
+            registry=r,
+        )
         self.inbox_rows = Gauge(
             "worker_inbox_rows",
             "Inbox keys by status; estimated from PostgreSQL's statistics above "
@@ -72,6 +85,8 @@ class Metrics(Telemetry):
         self.outbox_backlog.set(outbox.backlog)
         self.outbox_oldest_age.set(outbox.oldest_age_seconds)
         self.outbox_parked.set(outbox.parked)
+        self.outbox_scheduled.set(outbox.scheduled)
+        self.outbox_scheduled_overdue.set(outbox.scheduled_overdue_seconds)
         if gauge is not None:
             for status in {*INBOX_STATUSES, *gauge.counts}:
                 self.inbox_rows.labels(status).set(gauge.counts.get(status, 0))

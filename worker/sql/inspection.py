@@ -11,8 +11,11 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    and_,
     delete,
+    exists,
     func,
+    literal,
     null,
     or_,
     select,
@@ -23,12 +26,22 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.sql.outbox import lock_ordering_keys
-from worker.sql.tables import inbox, interval, outbox, outbox_parked
+from worker.sql.tables import (
+    inbox,
+    interval,
+    outbox,
+    outbox_parked,
+    outbox_scheduled,
+    workflow_waits,
+)
 
 
 @dataclass(frozen=True)
 class WorkflowState:
-    """An in-progress workflow, as ``worker workflows`` shows it."""
+    """An in-progress workflow, as ``worker workflows`` shows it: running (or due to be taken
+    over), or waiting (``wait`` names its open wait: for the signal ``wait_routing_key`` with
+    ``wait_correlation``, or a sleep when that is None, until ``wait_due_at`` by the database's
+    clock)."""
 
     handler: str
     key: str
@@ -38,38 +51,90 @@ class WorkflowState:
     attempts: int
     created_at: datetime
     updated_at: datetime
+    wait: str | None = None
+    wait_routing_key: str | None = None
+    wait_correlation: str | None = None
+    wait_due_at: datetime | None = None
 
 
-async def in_progress_workflows(conn: AsyncConnection, limit: int) -> list[WorkflowState]:
-    """Workflows under way or waiting to be resumed, least recently advanced first."""
-    columns = [inbox.c[name] for name in WorkflowState.__dataclass_fields__]
+_OPEN_WAIT = and_(
+    workflow_waits.c.handler == inbox.c.handler,
+    workflow_waits.c.key == inbox.c.key,
+    workflow_waits.c.outcome.is_(None),
+)
+"""Joins an inbox row to its workflow's open wait (a workflow has at most one)."""
+
+_WORKFLOW_COLUMNS = [
+    *(inbox.c[name] for name in list(WorkflowState.__dataclass_fields__)[:8]),
+    workflow_waits.c.name.label("wait"),
+    workflow_waits.c.routing_key.label("wait_routing_key"),
+    workflow_waits.c.correlation.label("wait_correlation"),
+    workflow_waits.c.due_at.label("wait_due_at"),
+]
+
+
+async def in_progress_workflows(
+    conn: AsyncConnection, limit: int, *, waiting: bool | None = None
+) -> list[WorkflowState]:
+    """Workflows under way, waiting (for a signal or a deadline) or to be resumed, least
+    recently advanced first; with ``waiting``, only those that wait (True) or do not (False)."""
     stmt = (
-        select(*columns)
+        select(*_WORKFLOW_COLUMNS)
+        .select_from(inbox.outerjoin(workflow_waits, _OPEN_WAIT))
         .where(inbox.c.status == "in_progress")
         .order_by(inbox.c.updated_at)
         .limit(limit)
     )
+    if waiting is not None:
+        opened = workflow_waits.c.name.is_not(None)
+        stmt = stmt.where(opened if waiting else ~opened)
     return [WorkflowState(**row._asdict()) for row in await conn.execute(stmt)]
 
 
 @dataclass(frozen=True)
 class OutboxStats:
     """The outbox at a glance: rows waiting, how long the oldest has waited, rows backing off
-    after a failed publish, rows parked."""
+    after a failed publish, rows parked, and events scheduled for later (``scheduled``, an
+    estimate when ``scheduled_estimated``) with the age of the oldest one due but not yet moved
+    into the outbox (``scheduled_overdue_seconds``, 0 when none is)."""
 
     backlog: int
     oldest_age_seconds: float
     waiting_for_retry: int
     parked: int
+    scheduled: int
+    scheduled_estimated: bool
+    scheduled_overdue_seconds: float
 
 
-async def outbox_stats(conn: AsyncConnection) -> OutboxStats:
+EXACT_SCHEDULED_COUNT_LIMIT = 100_000
+"""Up to this many rows ``outbox_stats`` counts ``outbox_scheduled`` exactly (an index range read
+that stops after one more); above, it takes PostgreSQL's statistics' estimate."""
+
+SCHEDULED_SIZE = text(
+    "SELECT greatest(s.n_live_tup, c.reltuples, 0)::bigint"
+    " FROM pg_class AS c"
+    " LEFT JOIN pg_stat_user_tables AS s ON s.relid = c.oid"
+    " WHERE c.oid = 'outbox_scheduled'::regclass"
+)
+"""``outbox_scheduled``'s live rows as the statistics know them (the larger of the cumulative
+statistics' count and the last VACUUM or ANALYZE's); no table is read."""
+
+
+async def outbox_stats(
+    conn: AsyncConnection, *, exact_scheduled_up_to: int = EXACT_SCHEDULED_COUNT_LIMIT
+) -> OutboxStats:
     """Rows waiting to be published (due or backing off), the age in seconds of the oldest (0 when
-    there is none), those backing off (``available_at`` still ahead) and the rows in
-    ``outbox_parked``, in one statement.
+    there is none), those backing off (``available_at`` still ahead), the rows in
+    ``outbox_parked``, and the scheduled events, in two statements.
 
-    One pass over each table: cheap while the relay keeps up (both hold few rows), a scan of the
-    backlog when it does not.
+    One pass over each of ``outbox`` and ``outbox_parked``: cheap while the relay keeps up (both
+    hold few rows), a scan of the backlog when it does not. ``outbox_scheduled`` may hold millions
+    of future events and is never read whole: its rows are counted up to ``exact_scheduled_up_to``
+    (a read of the ``(due_at, id)`` index that stops after one more row) and estimated from the
+    statistics above; its earliest ``due_at`` is the first entry of that index. The overdue age,
+    ``now() - min(due_at)`` when that is past, is how long a due event has waited for a relay to
+    move it (0 when none is due).
     """
     waiting = (
         select(
@@ -82,16 +147,33 @@ async def outbox_stats(conn: AsyncConnection) -> OutboxStats:
     )
     age = func.greatest(func.extract("epoch", func.now() - waiting.c.oldest), 0)
     parked = select(func.count()).select_from(outbox_parked).scalar_subquery()
+    first = select(outbox_scheduled.c.due_at).order_by(outbox_scheduled.c.due_at).limit(1)
+    overdue = func.greatest(func.extract("epoch", func.now() - first.scalar_subquery()), 0)
+    some = select(outbox_scheduled.c.id).limit(exact_scheduled_up_to + 1).subquery()
+    counted = select(func.count()).select_from(some).scalar_subquery()
     row = (
         await conn.execute(
-            select(waiting.c.rows, func.coalesce(age, 0), waiting.c.backing_off, parked)
+            select(
+                waiting.c.rows,
+                func.coalesce(age, 0),
+                waiting.c.backing_off,
+                parked,
+                counted,
+                func.coalesce(overdue, 0),
+            )
         )
     ).one()
+    scheduled, estimated = int(row[4]), False
+    if scheduled > exact_scheduled_up_to:
+        scheduled, estimated = int((await conn.execute(SCHEDULED_SIZE)).scalar_one()), True
     return OutboxStats(
         backlog=int(row[0]),
         oldest_age_seconds=float(row[1]),
         waiting_for_retry=int(row[2]),
         parked=int(row[3]),
+        scheduled=scheduled,
+        scheduled_estimated=estimated,
+        scheduled_overdue_seconds=float(row[5]),
     )
 
 
@@ -159,12 +241,14 @@ async def inbox_gauge(
     return InboxGauge(counts, estimated=True)
 
 
-OUTBOX_STATES = ("pending", "backing-off", "parked")
-"""The states of an unpublished event: ``pending`` (in ``outbox``, due: a relay takes it next),
-``backing-off`` (in ``outbox``, its ``available_at`` still ahead after a failed publish) and
-``parked`` (in ``outbox_parked``: the relay gave up on it)."""
+OUTBOX_STATES = ("scheduled", "pending", "backing-off", "parked")
+"""The states of an unpublished event, in the order an event moves through them: ``scheduled``
+(in ``outbox_scheduled``, waiting for its ``due_at``, or due and not yet moved by a relay),
+``pending`` (in ``outbox``, due: a relay takes it next), ``backing-off`` (in ``outbox``, its
+``available_at`` still ahead after a failed publish) and ``parked`` (in ``outbox_parked``: the
+relay gave up on it)."""
 
-RETRY_STATES = OUTBOX_STATES[1:]
+RETRY_STATES = ("backing-off", "parked")
 """The states ``worker outbox retry`` acts on (a pending row is due already)."""
 
 
@@ -172,10 +256,13 @@ RETRY_STATES = OUTBOX_STATES[1:]
 class OutboxEntry:
     """An unpublished event as ``worker outbox list`` shows it (without its body or headers).
 
-    ``available_at`` is when a relay may next publish it and ``due_in_seconds`` how long that is
-    from the database's ``now()`` (0 once due); both are None for a parked row, and
-    ``parked_at`` is None for any other. ``last_error`` is the last failed publish's error (kept
-    by a row moved back from ``outbox_parked`` until a new failure replaces it).
+    ``available_at`` is when a relay may next publish it (a scheduled event's ``due_at``) and
+    ``due_in_seconds`` how long that is from the database's ``now()``: 0 once due, except for a
+    scheduled event, where it is negative once overdue (due, and not yet moved into the outbox
+    by a relay). Both are None for a parked row, and ``parked_at`` is None for any other.
+    ``last_error`` is the last failed publish's error (kept by a row moved back from
+    ``outbox_parked`` until a new failure replaces it); a scheduled event has none, and 0
+    ``attempts``.
     """
 
     state: str
@@ -207,31 +294,15 @@ async def outbox_entries(
 ) -> list[OutboxEntry]:
     """Up to ``limit`` rows in ``state`` (one of ``OUTBOX_STATES``), of ``routing_key`` if given.
 
-    Pending and backing-off rows come in the order the relay takes them (``available_at``, then
-    id), parked rows oldest first (by id, the id they had in the outbox). Each is one range scan
-    of an index (``ix_outbox_available_at_id``, the parked table's primary key) that stops after
-    ``limit`` rows: cheap on an outbox of millions. A ``routing_key`` is a filter on that scan (no
-    index holds it, and one more on the outbox would cost every publish), so a routing key with
-    few rows among many reads further before it finds ``limit`` of them.
+    Scheduled rows come earliest due first (``due_at``, then id), pending and backing-off rows in
+    the order the relay takes them (``available_at``, then id), parked rows oldest first (by id,
+    the id they had in the outbox). Each is one range scan of an index
+    (``ix_outbox_scheduled_due_at_id``, ``ix_outbox_available_at_id``, the parked table's primary
+    key) that stops after ``limit`` rows: cheap on an outbox of millions. A ``routing_key`` is a
+    filter on that scan (no index holds it, and one more on the outbox would cost every publish),
+    so a routing key with few rows among many reads further before it finds ``limit`` of them.
     """
-    if state == "parked":
-        table = outbox_parked
-        extra = [null().label("available_at"), null().label("due_in_seconds"), table.c.parked_at]
-        where = _routing_key_is(table, routing_key)
-        order = [table.c.id]
-    else:
-        table = outbox
-        due_in = func.greatest(func.extract("epoch", table.c.available_at - func.now()), 0)
-        extra = [table.c.available_at, due_in.label("due_in_seconds"), null().label("parked_at")]
-        due = table.c.available_at <= func.now()
-        where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
-        order = [table.c.available_at, table.c.id]
-    stmt = (
-        select(*(table.c[name] for name in _ENTRY_COLUMNS), *extra)
-        .where(*where)
-        .order_by(*order)
-        .limit(limit)
-    )
+    stmt = entries_query(state, limit, routing_key=routing_key)
     entries = []
     for row in await conn.execute(stmt):
         values = row._asdict()
@@ -239,6 +310,53 @@ async def outbox_entries(
             values["due_in_seconds"] = float(values["due_in_seconds"])  # (numeric: a Decimal)
         entries.append(OutboxEntry(state=state, **values))
     return entries
+
+
+def entries_query(state: str, limit: int, *, routing_key: str | None = None) -> Any:
+    """The statement ``outbox_entries`` runs (exposed for its query plan to be checked)."""
+    columns: list[Any]
+    due_in: Any
+    if state == "parked":
+        table = outbox_parked
+        extra = [null().label("available_at"), null().label("due_in_seconds"), table.c.parked_at]
+        where = _routing_key_is(table, routing_key)
+        order = [table.c.id]
+        columns = [table.c[name] for name in _ENTRY_COLUMNS]
+    elif state == "scheduled":
+        table = outbox_scheduled
+        due_in = func.extract("epoch", table.c.due_at - func.now())
+        extra = [
+            table.c.due_at.label("available_at"),
+            due_in.label("due_in_seconds"),
+            null().label("parked_at"),
+        ]
+        where = _routing_key_is(table, routing_key)
+        order = [table.c.due_at, table.c.id]
+        unpublished = {"attempts": literal(0), "last_error": null()}
+        columns = [
+            unpublished[name].label(name) if name in unpublished else table.c[name]
+            for name in _ENTRY_COLUMNS
+        ]
+    else:
+        table = outbox
+        due_in = func.greatest(func.extract("epoch", table.c.available_at - func.now()), 0)
+        extra = [table.c.available_at, due_in.label("due_in_seconds"), null().label("parked_at")]
+        due = table.c.available_at <= func.now()
+        where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
+        order = [table.c.available_at, table.c.id]
+        columns = [table.c[name] for name in _ENTRY_COLUMNS]
+    return select(*columns, *extra).where(*where).order_by(*order).limit(limit)
+
+
+async def parked_message_ids(
+    conn: AsyncConnection, message_ids: Sequence[uuid.UUID]
+) -> list[uuid.UUID]:
+    """Those of ``message_ids`` parked in ``outbox_parked`` (through its unique index on
+    ``message_id``)."""
+    stmt = select(outbox_parked.c.message_id).where(
+        outbox_parked.c.message_id.in_(list(message_ids))
+    )
+    return [message_id for (message_id,) in await conn.execute(stmt)]
 
 
 @dataclass(frozen=True)
@@ -402,14 +520,19 @@ async def expired_workflows(
     conn: AsyncConnection, handlers: Sequence[str], *, expired_for: float, limit: int
 ) -> tuple[int, list[InProgressKey]]:
     """In-progress workflows (keys with a lease, not of the non-workflow ``handlers``) whose lease
-    expired more than ``expired_for`` seconds ago: nobody has resumed them since. Returns the
-    count and the ``limit`` oldest."""
+    expired more than ``expired_for`` seconds ago: nobody has resumed them since. A workflow that
+    waits released its lease on purpose: it is stuck only when its wait's deadline passed more
+    than ``expired_for`` seconds ago (its timer should have resumed it). Returns the count and
+    the ``limit`` oldest."""
+    long_ago = func.now() - interval(expired_for)
+    waiting_in_time = exists().where(_OPEN_WAIT, workflow_waits.c.due_at >= long_ago)
     return await _in_progress_keys(
         conn,
         limit,
         inbox.c.lease_until.is_not(None),
         inbox.c.handler.not_in(list(handlers)),
-        inbox.c.lease_until < func.now() - interval(expired_for),
+        inbox.c.lease_until < long_ago,
+        ~waiting_in_time,
     )
 
 

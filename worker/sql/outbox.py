@@ -26,13 +26,14 @@ from datetime import datetime
 from typing import Any
 
 from worker.core.codec import to_jsonable
+from worker.sql import locks
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import OutboxMessage
 
 OUTBOX_CHANNEL = "worker_outbox"
 """The LISTEN/NOTIFY channel relays wait on; a notification is only a hint to look now."""
 
-ORDERING_LOCK_CLASS = 7_262_001
+ORDERING_LOCK_CLASS = locks.ORDERING
 """First key of the transaction-scoped advisory locks that serialize an ordering key's rows."""
 
 RETRY_DELAY_CAP_SECONDS = 300.0
@@ -289,7 +290,7 @@ SCHEDULED_NOTICE = "scheduled"
 """The payload of the NOTIFY on ``OUTBOX_CHANNEL`` sent by a commit that scheduled events: it
 tells a relay that the earliest due time may have moved closer."""
 
-MOVER_LOCK_CLASS = 7_262_002
+MOVER_LOCK_CLASS = locks.MOVER
 """First key of the transaction-scoped advisory lock that lets one relay at a time move due
 events (two movers could interleave one key's events due at the same instant)."""
 
@@ -421,6 +422,9 @@ async def bring_forward(conn: Connection, seconds: float) -> None:
     await driver.execute(BRING_FORWARD, seconds)
 
 
+SCHEDULED_ORDERING_KEY = "SELECT ordering_key FROM outbox_scheduled WHERE message_id = $1"
+"""The ordering key of the scheduled event of message id ``$1`` (NULL: none, or no such event)."""
+
 CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"
 """Delete the scheduled event of message id ``$1``; a row when there was one."""
 
@@ -434,12 +438,17 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     scheduled or waiting in ``outbox``, so that once this transaction commits it is never
     published; False if it was published already, parked, or never existed.
 
-    Two statements, scheduled table first: an event a relay moves meanwhile is found in
-    ``outbox`` by the second (a new snapshot under READ COMMITTED).
+    Scheduled table first: an event a relay moves meanwhile is found in ``outbox`` by the next
+    statement (a new snapshot under READ COMMITTED). A scheduled event's ordering key is locked
+    first, as a producer of that key locks it, so that while this transaction is open no mover
+    moves the key's later events past it (it would, should the cancel be rolled back).
     """
     if not isinstance(message_id, uuid.UUID):
         raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
     driver = await in_transaction(conn)
+    key = await driver.fetchval(SCHEDULED_ORDERING_KEY, message_id)
+    if key is not None:
+        await lock_ordering_keys(driver, [key], notify=False)
     if await driver.fetchval(CANCEL_SCHEDULED, message_id):
         return True
     return bool(await driver.fetchval(CANCEL_DUE, message_id))

@@ -14,8 +14,9 @@ class Exit(enum.IntEnum):
 
     OK = 0
     FAILED = 1
-    """A check found a failure (``verify``, ``health``), or the command crashed: an unexpected
-    error, logged at CRITICAL with its traceback."""
+    """A check found a failure (``verify``, ``health``), an ``outbox retry`` or ``outbox cancel``
+    could not act on some id it was given (the others done), or the command crashed: an
+    unexpected error, logged at CRITICAL with its traceback."""
     USAGE = 2
     """A usage or configuration error, a refused login among them: one sentence that names the
     setting to fix."""

@@ -1,5 +1,5 @@
-"""``worker outbox list`` and ``retry``: their flags and what they print (the reading and the
-moving are ``worker.ops.admin``'s)."""
+"""``worker outbox list``, ``retry`` and ``cancel``: their flags and what they print (the
+reading, the moving and the cancelling are ``worker.ops.admin``'s)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import argparse
 import asyncio
 import shlex
 import sys
+import uuid
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from worker.ops.cli.command import Command, Family
+from worker.ops.cli.exits import Exit
 from worker.ops.cli.output import show, summary, verbose
 from worker.settings import Group, Settings, positive_int
 from worker.sql.inspection import OUTBOX_STATES, RETRY_STATES
@@ -42,7 +44,9 @@ def _list(settings: Settings, args: argparse.Namespace) -> int:
     full = [state for state in states if shown[state] == args.limit]
     if full:
         print(f"(--limit {args.limit} reached for {', '.join(full)}: there may be more)")
-    waiting = {entry.routing_key for entry in entries if entry.state != "pending"}
+    waiting = {entry.routing_key for entry in entries if entry.state in RETRY_STATES}
+    if any(entry.state == "scheduled" for entry in entries):
+        show("`worker outbox cancel MESSAGE_ID...` takes scheduled and pending events back")
     if waiting:
         key = shlex.quote(waiting.pop()) if len(waiting) == 1 else "KEY"
         show(
@@ -62,6 +66,8 @@ def _line(entry: Any) -> str:
     ]
     if entry.parked_at is not None:
         fields.append(f"parked_at={entry.parked_at.isoformat()}")
+    elif entry.state == "scheduled":
+        fields.append(f"due_at={entry.available_at.isoformat()} ({_due(entry.due_in_seconds)})")
     elif entry.attempts:
         fields.append(
             f"next_attempt={entry.available_at.isoformat()} (in {entry.due_in_seconds:.0f}s)"
@@ -69,6 +75,11 @@ def _line(entry: Any) -> str:
     if entry.last_error is not None:
         fields.append(f"last_error={entry.last_error!r}")
     return " ".join(fields)
+
+
+def _due(seconds: float) -> str:
+    """How far ahead a scheduled event's due time is, or how long it is overdue."""
+    return f"in {seconds:.0f}s" if seconds >= 0 else f"overdue by {-seconds:.0f}s"
 
 
 def _list_options(parser: argparse.ArgumentParser) -> None:
@@ -90,10 +101,11 @@ LIST = Command(
     "outbox list",
     _list,
     "show unpublished events in every state, or in --state (nothing changes)",
-    "Show unpublished events without their bodies: pending and backing-off rows in the "
-    "order the relay takes them (their next attempt, its time by the database's clock, "
-    "their attempts and last error), parked rows oldest first. At most --limit rows of each "
-    "state, read from an index, however large the outbox.",
+    "Show unpublished events without their bodies: scheduled rows earliest due first (their "
+    "due time by the database's clock, how far ahead or how long overdue), pending and "
+    "backing-off rows in the order the relay takes them (their next attempt, its time by the "
+    "database's clock, their attempts and last error), parked rows oldest first. At most "
+    "--limit rows of each state, read from an index, however large the outbox.",
     options=_list_options,
 )
 
@@ -177,11 +189,84 @@ RETRY = Command(
     options=_retry_options,
 )
 
+
+def _cancel(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.ops import admin
+
+    done = asyncio.run(admin.cancel_outbox(settings, args.message_ids, dry_run=args.dry_run))
+    verb = "would cancel" if args.dry_run else "cancelled"
+    outcomes = [
+        *((message_id, verb) for message_id in done.cancelled),
+        *((message_id, "parked") for message_id in done.parked),
+        *((message_id, "unknown") for message_id in done.unknown),
+    ]
+    for message_id, outcome in outcomes:
+        if args.json:
+            print(admin.to_json({"message_id": message_id, "outcome": outcome}))
+        else:
+            show(f"{outcome:<12} message_id={message_id}")
+    if not args.json:
+        said = f"{len(done.cancelled)} outbox event(s)"
+        if args.dry_run:
+            print(f"dry run: {said} would be cancelled; nothing changed")
+        else:
+            print(f"{said} cancelled")
+    if done.parked:
+        show(
+            f"worker: error: parked, not cancelled: {', '.join(map(str, done.parked))} "
+            "(see `worker outbox list --state parked`)",
+            file=sys.stderr,
+        )
+    if done.unknown:
+        show(
+            f"worker: error: no unpublished event has message_id "
+            f"{', '.join(map(str, done.unknown))} (published already, or never sent)",
+            file=sys.stderr,
+        )
+    return Exit.FAILED if done.parked or done.unknown else Exit.OK
+
+
+def _message_id(raw: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a message id (a UUID)") from None
+
+
+def _cancel_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "message_ids",
+        type=_message_id,
+        nargs="+",
+        metavar="MESSAGE_ID",
+        help="the events' message ids (as `worker outbox list` shows them)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="show what would be cancelled; change nothing"
+    )
+    parser.add_argument("--json", action="store_true", help="one JSON object per message id")
+
+
+CANCEL = Command(
+    "outbox cancel",
+    _cancel,
+    "take unpublished events back (scheduled or pending): they are never published",
+    "In one transaction, for each MESSAGE_ID: an event scheduled for later, or waiting in "
+    "the outbox (pending or backing off), is deleted, so it is never published (a relay "
+    "publishing it at that instant finishes first, and then it is not there to cancel). "
+    "Prints a line per message id: cancelled, parked (left in outbox_parked) or unknown "
+    "(published already, or never sent: the outbox keeps no record of what it published), "
+    "and the total. --dry-run rolls the transaction back and says what it would have done. "
+    "Exits 1 when a message id was not cancelled.",
+    options=_cancel_options,
+)
+
 OUTBOX = Family(
     "outbox",
-    "list unpublished events (pending, backing off, parked) or publish them now",
-    "Events committed to the outbox and not yet confirmed by the broker: pending "
-    "(due, a relay takes them next), backing-off (a publish failed; retried at their next "
-    "attempt) and parked (in outbox_parked after the last attempt failed).",
-    (LIST, RETRY),
+    "list unpublished events (scheduled, pending, backing off, parked), publish or cancel them",
+    "Events committed to the outbox and not yet confirmed by the broker: scheduled (waiting "
+    "in outbox_scheduled for their due time by the database's clock), pending (due, a relay "
+    "takes them next), backing-off (a publish failed; retried at their next attempt) and "
+    "parked (in outbox_parked after the last attempt failed).",
+    (LIST, RETRY, CANCEL),
 )

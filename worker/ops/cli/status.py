@@ -53,6 +53,10 @@ def _status_lines(status: Status) -> list[tuple[str, str]]:
         return lines
     outbox, inbox = status.database.outbox, status.database.inbox
     lines.append(("outbox waiting for a retry", str(outbox.waiting_for_retry)))
+    scheduled = f"{'~' if outbox.scheduled_estimated else ''}{outbox.scheduled}"
+    if outbox.scheduled_overdue_seconds > 0:
+        scheduled += f" (earliest overdue by {outbox.scheduled_overdue_seconds:.1f}s)"
+    lines.append(("outbox scheduled", scheduled))
     lines += [(f"inbox {name}", str(count)) for name, count in inbox.items()]
     workflows = str(status.database.workflows.in_progress)
     if (oldest := status.database.workflows.oldest) is not None:
@@ -124,9 +128,11 @@ STATUS = Command(
     "one overview: queues, outbox, inbox keys and workflows in progress",
     "Message and consumer counts of the work queue, the DLQ and each retry queue (passive "
     "declares: nothing is created); the outbox backlog, its oldest row's age, rows waiting "
-    "for a retry and rows parked; inbox keys by status; workflows in progress and the least "
-    "recently advanced one. Exits 3, after showing what it could read and why the rest "
-    "could not be read, when PostgreSQL or RabbitMQ cannot be read.",
+    "for a retry, rows parked and events scheduled for later (estimated above 100,000, "
+    "shown ~N; with how long the earliest due one is overdue); inbox keys by status; "
+    "workflows in progress and the least recently advanced one. Exits 3, after showing what "
+    "it could read and why the rest could not be read, when PostgreSQL or RabbitMQ cannot be "
+    "read.",
     reads=(Group.RETRIES, Group.ENDPOINT),
     options=_status_options,
 )
