@@ -23,7 +23,17 @@ SEED = 1
 PUBLISH_WINDOW = 1000
 """Publishes in flight at once when preloading, and in the bare publish+confirm baseline."""
 PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
-WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_scheduled", "outbox_parked")
+WORKER_TABLES = (
+    "inbox",
+    "workflow_steps",
+    "workflow_waits",
+    "workflow_signals",
+    "outbox",
+    "outbox_scheduled",
+    "outbox_parked",
+)
+"""The worker's tables a scenario empties (``workflow_waits`` references ``inbox``: TRUNCATE
+needs both in one statement)."""
 
 
 async def publish_all(
