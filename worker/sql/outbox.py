@@ -316,17 +316,10 @@ due at its ``due_at``, else ``due_in`` seconds after the transaction's start (``
 
 
 def scheduled_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
-    """The eleven arrays ``APPEND_SCHEDULED`` takes, one element per message."""
+    """The eleven arrays ``APPEND_SCHEDULED`` takes: ``event_arrays``' nine, then each message's
+    ``due_in`` and ``due_at``."""
     return [
-        [m.message_id for m in messages],
-        [m.exchange for m in messages],
-        [m.routing_key for m in messages],
-        [m.body for m in messages],
-        [m.content_type for m in messages],
-        [json.dumps(to_jsonable(m.headers)) for m in messages],
-        [m.correlation_id for m in messages],
-        [m.causation_id for m in messages],
-        [m.ordering_key for m in messages],
+        *event_arrays(messages),
         [m.due_in for m in messages],
         [m.due_at for m in messages],
     ]
