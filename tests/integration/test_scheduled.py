@@ -373,6 +373,34 @@ async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_pro
     assert [m for m in await in_outbox(engine) if m != free] == [appended, due]
 
 
+async def test_a_move_leaves_scheduled_an_event_whose_message_id_entered_the_outbox_meanwhile(
+    engine: AsyncEngine, database_url: str
+) -> None:
+    # Given a due scheduled event and another, and an event of the first one's message id
+    # committed to the outbox after a mover chose them (it holds their rows)
+    repeated = uuid.uuid4()
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated, delay=LATER)
+        other = await outbox.publish(conn, "b", {}, delay=LATER)
+    await make_due(engine, repeated, other)
+    chosen = [row.id for row in await rows(engine, "SELECT id FROM outbox_scheduled ORDER BY id")]
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated)
+
+    # When the mover moves what it chose
+    mover = await asyncpg.connect(database_url)
+    try:
+        async with mover.transaction():
+            moved = await mover.fetchval(outbox_sql.MOVE_DUE, chosen)
+    finally:
+        await mover.close()
+
+    # Then the other one moved, and the first waits, scheduled, for its namesake to be published
+    assert moved == 1
+    assert list(await scheduled(engine)) == [repeated]
+    assert sorted(map(str, await in_outbox(engine))) == sorted(map(str, [repeated, other]))
+
+
 # The relay
 
 
@@ -476,3 +504,23 @@ async def test_a_keys_events_due_at_one_instant_arrive_in_the_order_scheduled(
     order = [uuid.UUID(m.message_id or "") for m in got]
     assert [m for m in order if m in ours] == ours
     assert set(order) == set(ours) | set(others)
+
+
+async def test_a_due_event_whose_message_id_waits_in_the_outbox_holds_up_nothing(
+    settings: Settings, engine: AsyncEngine, capture: AbstractQueue
+) -> None:
+    # Given an event scheduled with a message id, due, and an event of that message id due at once
+    # that no relay has published yet (outbox's message ids are unique), then another event
+    repeated = uuid.uuid4()
+    await publish(engine, settings, 0, message_id=repeated, delay=LATER)
+    await make_due(engine, repeated)
+    await publish(engine, settings, 1, message_id=repeated)
+    other = await publish(engine, settings, 2)
+
+    # When a relay runs, then every event is published: the scheduled one once its namesake has
+    # left the outbox (a mover inserting it beside its namesake would fail, and the relay with it)
+    async with running_relay(settings):
+        got = await arrived(capture, 3)
+    assert sorted(m.message_id or "" for m in got) == sorted(map(str, [repeated, repeated, other]))
+    assert [m.routing_key for m in got if m.message_id == str(repeated)] == ["sched.1", "sched.0"]
+    assert await scheduled(engine) == {}

@@ -345,12 +345,15 @@ DUE_SCHEDULED = f"""
 SELECT s.id, s.ordering_key
 FROM outbox_scheduled AS s
 WHERE (SELECT pg_try_advisory_xact_lock({MOVER_LOCK_CLASS}, 0)) AND s.due_at <= now()
+  AND NOT EXISTS (SELECT * FROM outbox AS o WHERE o.message_id = s.message_id)
 ORDER BY s.due_at, s.id
 LIMIT $1
 FOR UPDATE OF s SKIP LOCKED
 """
 """Lock up to ``$1`` due events, earliest first, if this transaction is the one mover (else
-none); their ids and ordering keys."""
+none); their ids and ordering keys. An event whose message id is still in ``outbox`` (an event
+of that id due at once, not yet published) waits until that one has left: ``outbox``'s message
+ids are unique."""
 
 TRY_ORDERING_LOCKS = f"""
 SELECT k.key
@@ -363,19 +366,27 @@ producer cannot deadlock)."""
 
 MOVE_DUE = """
 WITH moved AS (
-    DELETE FROM outbox_scheduled WHERE id = ANY($1::bigint[])
-    RETURNING id, message_id, exchange, routing_key, body, content_type, headers,
-              correlation_id, causation_id, ordering_key, due_at
+    INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
+                        correlation_id, causation_id, ordering_key)
+    SELECT message_id, exchange, routing_key, body, content_type, headers,
+           correlation_id, causation_id, ordering_key
+    FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[])
+    ORDER BY due_at, id
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING message_id
+), removed AS (
+    DELETE FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[]) AND message_id IN (SELECT moved.message_id FROM moved)
+    RETURNING id
 )
-INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
-                    correlation_id, causation_id, ordering_key)
-SELECT message_id, exchange, routing_key, body, content_type, headers,
-       correlation_id, causation_id, ordering_key
-FROM moved
-ORDER BY due_at, id
+SELECT count(*)::int FROM removed
 """
 """Move the scheduled events of the ids in ``$1`` into ``outbox``, in due order: their outbox
-ids, and so their places in their keys' order, are given now."""
+ids, and so their places in their keys' order, are given now; how many moved. One whose message
+id an event committed to ``outbox`` since ``DUE_SCHEDULED`` looked has stays scheduled (a unique
+violation would fail every move, and the relay)."""
+
 
 NEXT_DUE_IN = """
 SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
@@ -396,9 +407,10 @@ async def move_due(conn: Connection, limit: int) -> int:
     keys = sorted({key for _, key in due if key is not None})
     held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
     ids = [row_id for row_id, key in due if key is None or key in held]
-    if ids:
-        await driver.execute(MOVE_DUE, ids)
-    return len(ids)
+    if not ids:
+        return 0
+    moved: int = await driver.fetchval(MOVE_DUE, ids)
+    return moved
 
 
 async def next_due_in(conn: Connection) -> float | None:
