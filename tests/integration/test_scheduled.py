@@ -22,7 +22,7 @@ from tests.helpers import envelope, rows, scalar, wait_until
 from tests.integration.support import running_relay
 from worker import Context, Router, outbox
 from worker.core.config import UnitOfWorkConfig
-from worker.core.unit_of_work import process
+from worker.core.unit_of_work import process, process_batch
 from worker.outbox import Event
 from worker.settings import Settings
 from worker.sql import outbox as outbox_sql
@@ -281,6 +281,64 @@ async def test_a_handler_cancels_events_of_this_call_and_of_earlier_transactions
     (row,) = (await scheduled(engine)).values()
     assert row.message_id != earlier
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 1
+
+
+def reminder_router(answers: list[bool], *, fail_after_cancel: bool = False) -> Router:
+    """``order.placed`` schedules the order's reminder (its message id derived from the order);
+    ``payment.received`` cancels it, recording the answer (with ``fail_after_cancel``, then
+    fails)."""
+    router = Router()
+    namespace = uuid.UUID("0d7e4f9a-3b1c-4e55-8a2d-6c9b1f0e7a34")
+
+    @router.handler("order.placed")
+    async def placed(body: dict[str, Any], ctx: Context) -> None:
+        ctx.publish(
+            "reminder.due", {}, message_id=uuid.uuid5(namespace, body["order"]), delay=LATER
+        )
+
+    @router.handler("payment.received")
+    async def settle(body: dict[str, Any], ctx: Context) -> None:
+        answers.append(await ctx.cancel(uuid.uuid5(namespace, body["order"])))
+        if fail_after_cancel:
+            raise ValueError("the payment is refused")
+
+    return router
+
+
+async def test_a_handler_cancels_an_event_another_message_of_its_transaction_published(
+    engine: AsyncEngine,
+) -> None:
+    # Given an order placed (its reminder scheduled) and paid (its reminder cancelled), delivered
+    # together so that one transaction handles both
+    answers: list[bool] = []
+    router = reminder_router(answers)
+    placed = envelope(router, "order.placed", {"order": "o-1"}, "placed-1")
+    paid = envelope(router, "payment.received", {"order": "o-1"}, "paid-1")
+
+    # When they are processed
+    await process_batch(engine, [placed, paid], UNIT)
+
+    # Then the cancel took the reminder back, as it would had they been handled one by one
+    assert answers == [True]
+    assert await scheduled(engine) == {}
+    assert await in_outbox(engine) == []
+
+
+async def test_a_cancel_by_a_handler_that_then_fails_leaves_its_batchmates_event(
+    engine: AsyncEngine,
+) -> None:
+    # Given an order placed and paid in one transaction, the payment's handler failing after
+    # it cancelled the reminder
+    answers: list[bool] = []
+    router = reminder_router(answers, fail_after_cancel=True)
+    placed = envelope(router, "order.placed", {"order": "o-2"}, "placed-2")
+    paid = envelope(router, "payment.received", {"order": "o-2"}, "paid-2")
+
+    # When they are processed
+    await process_batch(engine, [placed, paid], UNIT)
+
+    # Then the failed handler's cancel is undone with the rest of its work: the reminder waits
+    assert len(await scheduled(engine)) == 1
 
 
 # Ordering keys
