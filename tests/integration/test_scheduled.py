@@ -209,6 +209,25 @@ async def test_cancel_takes_back_an_event_that_is_due_but_not_published(
     assert await in_outbox(engine) == []
 
 
+async def test_cancel_takes_back_both_events_of_a_message_id_scheduled_and_due(
+    engine: AsyncEngine,
+) -> None:
+    # Given a message id scheduled for later and, under the same id, an event due at once that no
+    # relay has published (the tables' message ids are unique each, not together)
+    repeated = uuid.uuid4()
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated, delay=LATER)
+        await outbox.publish(conn, "a", {}, message_id=repeated)
+
+    # When it is cancelled
+    async with engine.begin() as conn:
+        assert await outbox.cancel(conn, repeated) is True
+
+    # Then neither is left to be published
+    assert await scheduled(engine) == {}
+    assert await in_outbox(engine) == []
+
+
 async def test_cancel_is_false_for_an_unknown_event(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         assert await outbox.cancel(conn, uuid.uuid4()) is False

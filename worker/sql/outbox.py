@@ -449,10 +449,12 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     scheduled or waiting in ``outbox``, so that once this transaction commits it is never
     published; False if it was published already, parked, or never existed.
 
-    Scheduled table first: an event a relay moves meanwhile is found in ``outbox`` by the next
-    statement (a new snapshot under READ COMMITTED). A scheduled event's ordering key is locked
-    first, as a producer of that key locks it, so that while this transaction is open no mover
-    moves the key's later events past it (it would, should the cancel be rolled back).
+    Scheduled table first, then ``outbox`` (also when it was scheduled: the two tables' message
+    ids are unique each, so an event published at once may share its id): an event a relay moves
+    meanwhile is found in ``outbox`` by the next statement (a new snapshot under READ
+    COMMITTED). A scheduled event's ordering key is locked first, as a producer of that key locks
+    it, so that while this transaction is open no mover moves the key's later events past it (it
+    would, should the cancel be rolled back).
     """
     if not isinstance(message_id, uuid.UUID):
         raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
@@ -460,6 +462,7 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     key = await driver.fetchval(SCHEDULED_ORDERING_KEY, message_id)
     if key is not None:
         await lock_ordering_keys(driver, [key], notify=False)
-    if await driver.fetchval(CANCEL_SCHEDULED, message_id):
-        return True
-    return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    if not await driver.fetchval(CANCEL_SCHEDULED, message_id):
+        return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    await driver.fetchval(CANCEL_DUE, message_id)  # an event due at once may share its id
+    return True
