@@ -450,6 +450,30 @@ async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_pro
     assert [m for m in await in_outbox(engine) if m != free] == [appended, due]
 
 
+async def test_a_keys_due_events_a_producer_holds_do_not_hold_back_other_keys_due_after_them(
+    engine: AsyncEngine,
+) -> None:
+    # Given more of K's due events than a move takes, and after them an unkeyed due event, while
+    # a producer transaction holds K (not committed)
+    async with engine.begin() as conn:
+        ours = await outbox.publish_many(
+            conn, [Event("a", {}, ordering_key="K", delay=LATER) for _ in range(3)]
+        )
+        other = await outbox.publish(conn, "a", {}, delay=LATER)
+    await make_due(engine, *ours, ago=60)
+    await make_due(engine, other)
+    async with engine.begin() as producer:
+        await outbox.publish(producer, "a", {}, ordering_key="K")
+
+        # When a mover that takes 2 events a move runs meanwhile
+        moved = await move(engine, limit=2)
+
+        # Then it moves the other event, and leaves all of K's for the producer's commit
+        assert moved == 1
+        assert await in_outbox(engine) == [other]
+        assert set(await scheduled(engine)) == set(ours)
+
+
 async def test_a_move_leaves_scheduled_an_event_whose_message_id_entered_the_outbox_meanwhile(
     engine: AsyncEngine, database_url: str
 ) -> None:

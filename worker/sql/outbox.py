@@ -346,14 +346,15 @@ SELECT s.id, s.ordering_key
 FROM outbox_scheduled AS s
 WHERE (SELECT pg_try_advisory_xact_lock({MOVER_LOCK_CLASS}, 0)) AND s.due_at <= now()
   AND NOT EXISTS (SELECT * FROM outbox AS o WHERE o.message_id = s.message_id)
+  AND (s.ordering_key IS NULL OR s.ordering_key != ALL ($2::text[]))
 ORDER BY s.due_at, s.id
 LIMIT $1
 FOR UPDATE OF s SKIP LOCKED
 """
 """Lock up to ``$1`` due events, earliest first, if this transaction is the one mover (else
-none); their ids and ordering keys. An event whose message id is still in ``outbox`` (an event
-of that id due at once, not yet published) waits until that one has left: ``outbox``'s message
-ids are unique."""
+none), leaving those of the ordering keys in ``$2``; their ids and ordering keys. An event whose
+message id is still in ``outbox`` (an event of that id due at once, not yet published) waits
+until that one has left: ``outbox``'s message ids are unique."""
 
 TRY_ORDERING_LOCKS = f"""
 SELECT k.key
@@ -399,18 +400,21 @@ async def move_due(conn: Connection, limit: int) -> int:
     in ``conn``'s transaction; returns how many moved. A due event whose ordering key another
     transaction holds (appending events of that key) is left for the next call, and none are
     moved while another transaction is moving (one mover at a time, by advisory lock): then
-    ``next_due_in`` is negative."""
+    ``next_due_in`` is negative. When every event chosen is of a key held elsewhere, the next
+    ones of the other keys are chosen (those keys' events never hold back the rest)."""
     driver = await in_transaction(conn)
-    due = await driver.fetch(DUE_SCHEDULED, limit)
-    if not due:
-        return 0
-    keys = sorted({key for _, key in due if key is not None})
-    held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
-    ids = [row_id for row_id, key in due if key is None or key in held]
-    if not ids:
-        return 0
-    moved: int = await driver.fetchval(MOVE_DUE, ids)
-    return moved
+    skipped: list[str] = []
+    while True:
+        due = await driver.fetch(DUE_SCHEDULED, limit, skipped)
+        if not due:
+            return 0
+        keys = sorted({key for _, key in due if key is not None})
+        held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
+        ids = [row_id for row_id, key in due if key is None or key in held]
+        if ids:
+            moved: int = await driver.fetchval(MOVE_DUE, ids)
+            return moved
+        skipped += keys  # all held elsewhere: each round leaves at least one more key
 
 
 async def next_due_in(conn: Connection) -> float | None:
