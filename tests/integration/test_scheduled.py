@@ -6,6 +6,7 @@ says it is due, never before, and promptly after a downtime."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -27,6 +28,8 @@ from worker.outbox import Event
 from worker.settings import Settings
 from worker.sql import outbox as outbox_sql
 from worker.sql.outbox import OUTBOX_CHANNEL, SCHEDULED_NOTICE
+from worker.telemetry import Telemetry
+from worker.transport.schedule import Schedule
 
 UNIT = UnitOfWorkConfig(exchange="events")
 LATER = timedelta(hours=1)
@@ -548,6 +551,42 @@ async def test_a_scheduled_event_does_not_hold_back_its_keys_events_due_before_i
         got = await arrived(capture, 2)
     assert [uuid.UUID(m.message_id or "") for m in got] == due
     assert list(await scheduled(engine)) == [waiting]
+
+
+async def test_a_notice_heard_while_a_move_runs_makes_the_relay_look_again_at_once(
+    settings: Settings, engine: AsyncEngine, database_url: str
+) -> None:
+    # Given a relay's schedule, polling hourly, and a due event whose move will wait for a
+    # producer transaction that is writing an event of its message id
+    schedule = Schedule(engine, batch=10, poll_interval=3600, telemetry=Telemetry())
+    repeated = await publish(engine, settings, 0, delay=LATER)
+    await make_due(engine, repeated)
+    producer = await asyncpg.connect(database_url)
+    try:
+        writing = producer.transaction()
+        await writing.start()
+        await outbox.publish(producer, "sched.1", {}, message_id=repeated)
+
+        # When the schedule moves, and while the move runs (waiting for that producer) a
+        # commit's "scheduled" notice is heard, then the producer rolls back
+        moving = asyncio.create_task(schedule.move_due())
+
+        async def the_move_waits() -> bool:
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return bool(await scalar(engine, waiting))
+
+        await wait_until(the_move_waits)
+        schedule.notice()
+        await writing.rollback()
+        assert await moving == 1
+    finally:
+        await producer.close()
+
+    # Then the relay looks again at once: the event that notice was about may be due soon
+    assert schedule.seconds_until_due() == 0
 
 
 async def test_a_relay_publishes_nothing_early_and_a_due_event_promptly(
