@@ -5,7 +5,7 @@ from worker.core.context import Batch, Context
 from worker.core.envelope import Delivery
 from worker.core.handler import Handler, HandlerKind
 from worker.core.router import Router
-from worker.core.workflows import Workflow, WorkflowBusy
+from worker.core.workflows import WaitTimedOut, Workflow, WorkflowBusy
 from worker.errors import MessageFailed, Permanent, Rejected, Retryable, WorkerError
 from worker.settings import Settings
 from worker.sql.rows import OutboxMessage
@@ -23,6 +23,7 @@ __all__ = [
     "Retryable",
     "Router",
     "Settings",
+    "WaitTimedOut",
     "WorkerError",
     "Workflow",
     "WorkflowBusy",

@@ -47,6 +47,18 @@ SCHEDULE_BEFORE_COMMIT = "schedule.before_commit"
 """The relay moved due scheduled events into the outbox; the move has not committed (so they
 are still scheduled, and due)."""
 
+WORKFLOW_WAIT_REGISTERED = "workflow.wait_registered"
+"""A workflow's wait and its timer committed and its lease is released; the delivery that
+registered them has not been acked (its redelivery finds the wait open and suspends again)."""
+
+WORKFLOW_TIMEOUT_BEFORE_COMMIT = "workflow.timeout_before_commit"
+"""A wait whose deadline passed is resolved as timed out (by its timer's delivery); that
+transaction has not committed."""
+
+WORKFLOW_RESUMED_BEFORE_COMMIT = "workflow.resumed_before_commit"
+"""A signal resolved its open waits, cancelled their timers and appended their resume messages;
+its unit of work has not committed."""
+
 CONSUMER_DRAINING = "consumer.draining"
 """Shutting down: consuming was cancelled, units of work in flight are still running."""
 
@@ -60,6 +72,9 @@ POINTS = (
     RELAY_MID_BATCH,
     RELAY_AFTER_PUBLISH,
     SCHEDULE_BEFORE_COMMIT,
+    WORKFLOW_WAIT_REGISTERED,
+    WORKFLOW_TIMEOUT_BEFORE_COMMIT,
+    WORKFLOW_RESUMED_BEFORE_COMMIT,
     CONSUMER_DRAINING,
 )
 """Every fixed crash point; workflows add ``workflow.after_step:<step>`` and

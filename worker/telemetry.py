@@ -62,6 +62,7 @@ class Count(enum.StrEnum):
     PROCESSED = Outcome.PROCESSED.value
     DUPLICATE = Outcome.DUPLICATE.value
     DUPLICATE_OF_FAILED = Outcome.DUPLICATE_OF_FAILED.value
+    WAITING = Outcome.WAITING.value
     RETRY_SCHEDULED = Outcome.RETRY_SCHEDULED.value
     DEAD_LETTERED = Outcome.DEAD_LETTERED.value
     REQUEUED = Outcome.REQUEUED.value

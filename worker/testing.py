@@ -74,7 +74,7 @@ from worker.core.router import Router
 from worker.database import one_connection
 from worker.errors import Reason, Rejected
 from worker.settings import Settings
-from worker.sql import inbox, outbox
+from worker.sql import inbox, outbox, waits
 from worker.sql.outbox import OutboxRow
 from worker.sql.rows import InboxEntry, InboxKey
 from worker.transport.dead_letters import Failure, cause_of
@@ -336,15 +336,17 @@ class Harness:
             return await self._relay()
 
     async def advance(self, by: timedelta) -> list[Published]:
-        """Let ``by`` pass for what is scheduled: every scheduled event (``ctx.publish(delay=)``)
-        is made due that much sooner, by moving its due time in the database (the clock the
-        worker goes by, which the harness cannot move), then the outbox is drained as ``relay``
-        does; returns what was drained. Events still not due stay scheduled."""
+        """Let ``by`` pass for what is scheduled: every scheduled event (``ctx.publish(delay=)``,
+        a waiting workflow's timer) and every open wait of a workflow is made due that much
+        sooner, by moving its due time in the database (the clock the worker goes by, which the
+        harness cannot move), then the outbox is drained as ``relay`` does; returns what was
+        drained. Events still not due stay scheduled."""
         if by < timedelta(0):
             raise ValueError("time only moves forward")
         async with self._turn:
             async with self.engine.begin() as conn:
                 await outbox.bring_forward(conn, by.total_seconds())
+                await waits.bring_forward(conn, by.total_seconds())
             return await self._relay()
 
     async def _relay(self) -> list[Published]:

@@ -1,29 +1,63 @@
-"""Orders: fulfil a placed order as a workflow of three steps, each committed on its own.
+"""Orders: fulfil a placed order as a workflow of steps, each committed on its own, that waits
+for the carrier's confirmation and compensates when it does not come in time.
 
 ``order.placed`` → ``reserve_inventory`` (take the quantity off ``stock``, write the reservation)
 → ``charge_payment`` (charge the account through the payment gateway) → ``dispatch_shipping``
-(write the shipment, emit ``order.shipped``). Each step runs in a transaction of its own, and a
-redelivery never runs a committed step again: it gets the step's stored output instead.
+(write the shipment, emit ``order.shipped``) → wait for ``shipping.confirmed`` carrying the
+order's id, at most ``ORDERS_SHIPPING_TIMEOUT_SECONDS`` (by the database's clock). Confirmed: the
+workflow completes with the tracking number. Timed out: ``release_reservation`` (stock back, the
+reservation marked released) → ``refund_payment`` (the gateway's refund) → ``cancel_order``
+(emit ``order.cancelled``). Each step runs in a transaction of its own, and a redelivery never
+runs a committed step again: it gets the step's stored output instead. While it waits the
+workflow holds nothing; exactly one of the confirmation and the timeout resumes it.
 
-The gateway is an external service: its charge cannot roll back with a transaction, and a step
-that crashes after the call but before its commit runs again. The step therefore gives the
-gateway ``ctx.step_key``, the same on every re-run, and the gateway charges once per key.
+The gateway is an external service: its charge (or refund) cannot roll back with a transaction,
+and a step that crashes after the call but before its commit runs again. The step therefore gives
+the gateway ``ctx.step_key``, the same on every re-run, and the gateway charges (or refunds) once
+per key.
 Step outputs are plain JSON values, since a resumed workflow gets them back decoded from JSON.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from examples.orders.gateway import FakeGateway
 from examples.orders.tables import metadata, reservations, shipments, stock
-from worker import Context, Permanent, Router, Workflow
+from worker import Context, Permanent, Router, WaitTimedOut, Workflow
+from worker.core.events import due
+from worker.errors import ConfigurationError
+from worker.settings import positive_float
+
+SHIPPING_TIMEOUT_ENV = "ORDERS_SHIPPING_TIMEOUT_SECONDS"
+DEFAULT_SHIPPING_TIMEOUT = timedelta(minutes=30)
+
+
+def shipping_timeout(environ: Mapping[str, str]) -> timedelta:
+    """How long a dispatched order waits for ``shipping.confirmed`` before it is cancelled:
+    ``ORDERS_SHIPPING_TIMEOUT_SECONDS`` (a positive number of seconds), else 30 minutes."""
+    raw = environ.get(SHIPPING_TIMEOUT_ENV)
+    if raw is None:
+        return DEFAULT_SHIPPING_TIMEOUT
+    try:
+        timeout = timedelta(seconds=positive_float(raw))
+        due(timeout, None)  # the limits of any scheduled delay, checked now instead of per order
+    except (ValueError, OverflowError) as exc:
+        raise ConfigurationError(f"{SHIPPING_TIMEOUT_ENV}={raw!r}: {exc}") from None
+    return timeout
+
+
+SHIPPING_TIMEOUT = shipping_timeout(os.environ)
+"""Read once, when the handler module is imported (``worker run`` fails to start on a bad value)."""
 
 router = Router(
     "orders", migrations=Path(__file__).parent / "migrations" / "versions", metadata=metadata
@@ -48,18 +82,55 @@ class OrderShipped(OrderPlaced):
     charge_id: str
 
 
-@router.workflow("order.placed", publishes={"order.shipped": OrderShipped})
+class OrderCancelled(OrderShipped):
+    """The body of ``order.cancelled``: the order, its charge, and the refund that undid it."""
+
+    refund_id: str
+
+
+class ShippingConfirmed(BaseModel):
+    """The body of ``shipping.confirmed``, the carrier's word that it has the order's parcel;
+    one without a string ``tracking`` is parked as ``invalid`` before it resumes anything."""
+
+    model_config = ConfigDict(strict=True)
+
+    order_id: str = Field(min_length=1)
+    tracking: str
+
+
+router.signal("shipping.confirmed", field="order_id", body=ShippingConfirmed)
+
+
+@router.workflow(
+    "order.placed",
+    publishes={"order.shipped": OrderShipped, "order.cancelled": OrderCancelled},
+)
 async def fulfil_order(order: OrderPlaced, wf: Workflow) -> dict[str, Any]:
-    """Reserve the stock, charge the account, dispatch the shipment: each step once."""
+    """Reserve the stock, charge the account, dispatch the shipment, then wait for the carrier's
+    confirmation; if none comes in time, release the stock, refund and cancel. Each step once."""
     reservation = await wf.step("reserve_inventory", reserve_inventory, order)
     charge = await wf.step("charge_payment", charge_payment, order, reservation)
     shipment = await wf.step("dispatch_shipping", dispatch_shipping, order, charge)
-    return {
+    fulfilled = {
         "order_id": order.order_id,
         "reservation": reservation["reservation"],
         "charge_id": charge["charge_id"],
         "shipment": shipment["shipment"],
     }
+    try:
+        confirmation = await wf.wait_for(
+            "shipping_confirmed",
+            "shipping.confirmed",
+            correlation=order.order_id,
+            timeout=SHIPPING_TIMEOUT,
+        )
+    except WaitTimedOut:
+        await wf.step("release_reservation", release_reservation, order)
+        refund = await wf.step("refund_payment", refund_payment, order, charge)
+        await wf.step("cancel_order", cancel_order, order, refund)
+        return {**fulfilled, "status": "cancelled", "refund_id": refund["refund_id"]}
+    tracking = ShippingConfirmed.model_validate(confirmation).tracking
+    return {**fulfilled, "status": "shipped", "tracking": tracking}
 
 
 async def reserve_inventory(ctx: Context, order: OrderPlaced) -> dict[str, Any]:
@@ -118,6 +189,54 @@ async def dispatch_shipping(
     }
     ctx.publish("order.shipped", shipped, ordering_key=order.account)
     return {"shipment": order.order_id}
+
+
+async def release_reservation(ctx: Context, order: OrderPlaced) -> dict[str, Any]:
+    """Give the reservation's quantity back to the stock and mark the reservation released, in
+    one commit; a reservation already released gives nothing back again."""
+    released = await ctx.session.execute(
+        update(reservations)
+        .where(reservations.c.order_id == order.order_id, reservations.c.released_at.is_(None))
+        .values(released_at=func.now())
+        .returning(reservations.c.sku, reservations.c.quantity)
+    )
+    row = released.one_or_none()
+    if row is not None:
+        await ctx.session.execute(
+            update(stock)
+            .where(stock.c.sku == row.sku)
+            .values(available=stock.c.available + row.quantity)
+        )
+    return {"released": order.order_id, "quantity": 0 if row is None else row.quantity}
+
+
+async def refund_payment(
+    ctx: Context, order: OrderPlaced, charge: dict[str, Any]
+) -> dict[str, Any]:
+    """Refund the order's charge through the gateway, once per order whatever the re-runs (the
+    step key is the refund's idempotency key, as ``charge_payment``'s is the charge's)."""
+    gateway = FakeGateway(ctx.connection.engine)
+    refund_id = await gateway.refund(
+        idempotency_key=ctx.step_key,
+        charge_id=charge["charge_id"],
+        amount_cents=order.amount_cents,
+    )
+    return {"refund_id": refund_id, "charge_id": charge["charge_id"]}
+
+
+async def cancel_order(ctx: Context, order: OrderPlaced, refund: dict[str, Any]) -> dict[str, Any]:
+    """Emit ``order.cancelled``, ordered per account after the order's ``order.shipped``."""
+    cancelled = {
+        "order_id": order.order_id,
+        "account": order.account,
+        "sku": order.sku,
+        "quantity": order.quantity,
+        "amount_cents": order.amount_cents,
+        "charge_id": refund["charge_id"],
+        "refund_id": refund["refund_id"],
+    }
+    ctx.publish("order.cancelled", cancelled, ordering_key=order.account)
+    return {"cancelled": order.order_id}
 
 
 async def add_stock(conn: AsyncConnection, sku: str, quantity: int) -> int:

@@ -240,10 +240,18 @@ CRASHES = [
 ]
 
 
-ELSEWHERE = {faults.UNIT_OF_WORK_ISOLATING, faults.FAILURES_PARKED, faults.FAILURES_RECORDED}
-"""Crash points this load never reaches, killed in their own tests (``test_isolation.py``): a
-rollback to a savepoint needs a failing message in a batch, parking needs a message that fails
-for good, and this load has neither."""
+ELSEWHERE = {
+    faults.UNIT_OF_WORK_ISOLATING,
+    faults.FAILURES_PARKED,
+    faults.FAILURES_RECORDED,
+    faults.WORKFLOW_WAIT_REGISTERED,
+    faults.WORKFLOW_TIMEOUT_BEFORE_COMMIT,
+    faults.WORKFLOW_RESUMED_BEFORE_COMMIT,
+}
+"""Crash points this load never reaches, killed in their own tests (``test_isolation.py``,
+``test_workflow_waits.py``): a rollback to a savepoint needs a failing message in a batch,
+parking needs a message that fails for good, a wait needs a workflow that waits, and this load
+has none of them."""
 
 
 def test_every_fixed_crash_point_has_its_kill_test() -> None:

@@ -150,13 +150,27 @@ async def test_an_order_workflow_ships_once(engine: AsyncEngine) -> None:
     await seed_stock(engine, "widget", 5)
     harness = Harness(orders, engine)
 
+    # Given an order dispatched, waiting for its confirmation, and delivered again meanwhile
     first = await harness.deliver("order.placed", order("o1", quantity=2), key="o1")
     again = await harness.deliver("order.placed", order("o1", quantity=2), key="o1")
+    assert (first.outcome, again.outcome) == ("waiting", "waiting")
 
-    assert (first.outcome, again.outcome) == ("processed", "duplicate")
-    assert [e.routing_key for e in harness.published] == ["order.shipped"]
-    assert harness.published[0].body["charge_id"] == charge_id_for("o1:charge_payment")
-    assert first.result["shipment"] == "o1"
+    # When the carrier confirms it and the resume that confirmation published is delivered
+    confirmed = {"order_id": "o1", "tracking": "TRK-1"}
+    signal = await harness.deliver("shipping.confirmed", confirmed, message_id="c1")
+    shipped, resume = harness.published
+    resumed = await harness.deliver_event(resume)
+    replayed = await harness.deliver_event(resume)
+
+    # Then the workflow completed once, with the tracking number
+    assert (signal.outcome, resumed.outcome, replayed.outcome) == (
+        "processed",
+        "processed",
+        "duplicate",
+    )
+    assert (shipped.routing_key, resume.routing_key) == ("order.shipped", "order.placed")
+    assert shipped.body["charge_id"] == charge_id_for("o1:charge_payment")
+    assert (resumed.result["shipment"], resumed.result["tracking"]) == ("o1", "TRK-1")
     assert await scalar(engine, "SELECT available FROM stock WHERE sku = 'widget'") == 3
     assert await scalar(engine, "SELECT count(*) FROM gateway_calls") == 1
     assert await rows(engine, "SELECT step FROM workflow_steps ORDER BY position") == [
@@ -485,7 +499,8 @@ def payments_scenario() -> Scenario:
 
 
 def orders_scenario() -> Scenario:
-    """Orders through the workflow: duplicates, one out of stock, one invalid, one key reused."""
+    """Orders through the workflow up to its wait for the shipping confirmation: duplicates (of
+    waiting workflows), one out of stock, one invalid, one key reused."""
     placed = [order(f"o{i}", quantity=2) for i in range(4)]
     sends = [Send(o["order_id"], o, "order.placed") for o in placed]
     sends.insert(2, sends[0])
@@ -612,7 +627,13 @@ async def test_the_harness_and_the_worker_agree(
                 message_id=f"m{i}",
                 routing_key=send.routing_key,
             )
-        outcome_names = ("processed", "duplicate", "duplicate_of_failed", "dead_lettered")
+        outcome_names = (
+            "processed",
+            "duplicate",
+            "duplicate_of_failed",
+            "waiting",
+            "dead_lettered",
+        )
 
         async def settled() -> bool:
             return sum(worker.stats[name] for name in outcome_names) >= len(scenario.sends)

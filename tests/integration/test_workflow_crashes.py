@@ -1,6 +1,7 @@
 """The orders workflow in a real ``worker run`` process, killed with SIGKILL at a crash point in
 or after each step: the key waits in progress at its recovery point (``worker workflows`` shows
-it), and a restarted worker resumes at the next step, so the gateway charges once."""
+it), and a restarted worker resumes at the next step, so the gateway charges once; the workflow
+then waits for the carrier's confirmation and completes when it comes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import signal
 from pathlib import Path
 
 import pytest
-from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -18,22 +18,21 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from examples.orders import add_stock
 from examples.orders.gateway import charge_id_for
 from tests.helpers import WORKER_SCRIPT, rows, run, scalar, wait_until
+from tests.integration.orders_flow import (
+    completed,
+    confirm_shipping,
+    effects,
+    key_of,
+    place_order,
+    relayed,
+    shipped_once,
+    waiting,
+)
 from tests.integration.support import wait_for_consumer, worker_process
 from worker.core.workflows import AFTER_STEP, BEFORE_COMMIT
 from worker.settings import Settings
 
-ORDER = {"order_id": "o-1", "sku": "tea", "quantity": 2, "amount_cents": 700, "account": "ann"}
-KEY = "order-o-1"
-
-
-async def place_order(amqp: AbstractRobustConnection, settings: Settings) -> None:
-    channel = await amqp.channel(publisher_confirms=True)
-    exchange = await channel.get_exchange(settings.exchange)
-    await exchange.publish(
-        Message(json.dumps(ORDER).encode(), headers={"idempotency-key": KEY}),
-        routing_key="order.placed",
-    )
-    await channel.close()
+KEY = key_of("o-1")
 
 
 @pytest.mark.parametrize(
@@ -63,10 +62,10 @@ async def test_a_killed_workflow_resumes_after_its_last_committed_step(
     # Given a worker that kills itself at the crash point, and a queue for the shipped events
     with worker_process(settings, log, WORKER_CRASH_AT=crash_at, **handlers) as worker:
         await wait_for_consumer(amqp, settings.queue)
-        channel = await amqp.channel()
+        channel = await amqp.channel(publisher_confirms=True)
         shipped = await channel.declare_queue(f"{settings.queue}.shipped", exclusive=True)
         await shipped.bind(settings.exchange, "order.shipped")
-        await place_order(amqp, settings)
+        await place_order(channel, settings, "o-1")
         await asyncio.to_thread(worker.wait, 60)
         assert worker.returncode == -signal.SIGKILL, log.read_text(errors="replace")
 
@@ -82,16 +81,11 @@ async def test_a_killed_workflow_resumes_after_its_last_committed_step(
     async with engine.begin() as conn:
         await conn.execute(text("UPDATE inbox SET lease_until = now() - interval '1 second'"))
     with worker_process(settings, log, **handlers) as worker:
-
-        async def completed() -> bool:
-            return await scalar(engine, "SELECT status FROM inbox") == "completed"
-
-        await wait_until(completed, timeout=40)
-
-        async def relayed() -> bool:
-            return await scalar(engine, "SELECT count(*) FROM outbox") == 0
-
-        await wait_until(relayed)
+        # Then it resumes and waits for the shipping confirmation; when that comes, it completes
+        await wait_until(lambda: waiting(engine, "o-1"), timeout=40)
+        await confirm_shipping(channel, settings, "o-1")
+        await wait_until(lambda: completed(engine, "o-1"))
+        await wait_until(lambda: relayed(engine))
         worker.send_signal(signal.SIGTERM)
         await asyncio.to_thread(worker.wait, 30)
 
@@ -103,6 +97,7 @@ async def test_a_killed_workflow_resumes_after_its_last_committed_step(
     assert await scalar(engine, "SELECT available FROM stock WHERE sku = 'tea'") == 8
     assert await scalar(engine, "SELECT count(*) FROM reservations") == 1
     assert await scalar(engine, "SELECT count(*) FROM shipments") == 1
+    assert shipped_once(await effects(engine, "o-1"), "o-1")
     steps = await rows(engine, "SELECT step FROM workflow_steps ORDER BY position")
     assert [step for (step,) in steps] == [
         "reserve_inventory",

@@ -16,9 +16,11 @@ import logging
 import time
 from collections.abc import Callable
 
+from worker.sql import locks
+
 log = logging.getLogger(__name__)
 
-HANDLER_LOCK_CLASS = 7_262_002
+HANDLER_LOCK_CLASS = locks.HANDLER_TURNS
 """First key of the advisory locks that make a contended handler's batches take turns."""
 
 TAKE_TURNS = f"SELECT pg_advisory_xact_lock({HANDLER_LOCK_CLASS}, hashtext($1::text))"

@@ -41,6 +41,9 @@ class Handler:
     publishes: tuple[tuple[str, Any], ...] = ()
     """(routing key, body type) of the events it declares it publishes: documentation (the
     AsyncAPI document), not a check of what ``ctx.publish`` is given."""
+    declares_signal: Callable[[str], bool] | None = field(default=None, repr=False, compare=False)
+    """For a workflow: whether a routing key is a declared signal (its router's, looked up when
+    ``wf.wait_for`` names one); None: not checked."""
     adapter: TypeAdapter[Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -12,7 +12,7 @@ import enum
 
 
 class Outcome(enum.StrEnum):
-    """How a delivery ended. The unit of work ends in the first three (when it does not raise);
+    """How a delivery ended. The unit of work ends in the first four (when it does not raise);
     the failure path in the last three."""
 
     PROCESSED = "processed"
@@ -21,6 +21,9 @@ class Outcome(enum.StrEnum):
     """Its key was completed before: acked without running again."""
     DUPLICATE_OF_FAILED = "duplicate_of_failed"
     """Its key was recorded as failed before: acked without running until a DLQ replay."""
+    WAITING = "waiting"
+    """Its workflow registered a wait and released itself: acked, resumed by the wait's signal
+    or timer."""
     RETRY_SCHEDULED = "retry_scheduled"
     """Failed transiently: a copy waits in a delayed-retry queue."""
     DEAD_LETTERED = "dead_lettered"

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import MetaData
 
 from worker.core.handler import Handler, HandlerKind
+from worker.core.signals import Signal
 from worker.errors import HandlerRegistrationError
 
 if TYPE_CHECKING:
@@ -83,6 +84,8 @@ class Router:
         self.metadata = metadata
         self._handlers: dict[str, Handler] = {}
         self._children: list[Router] = []
+        self._parent: Router | None = None
+        self._signals: dict[str, Signal] = {}
 
     def handler(
         self,
@@ -140,11 +143,51 @@ class Router:
                     body_type,
                     HandlerKind.WORKFLOW,
                     _declared(publishes),
+                    declares_signal=self.declares_signal,
                 )
             )
             return func
 
         return register
+
+    def signal(
+        self,
+        routing_key: str,
+        *,
+        field: str | None = None,
+        header: str | None = None,
+        name: str | None = None,
+        body: Any = Any,
+    ) -> None:
+        """Declare ``routing_key`` a signal for workflows that ``wf.wait_for`` it: its
+        correlation is the top-level ``field`` of its JSON object body, or its ``header``
+        (exactly one; a string, or an integer taken as its decimal string).
+
+        It is served by a built-in handler (``name``: default the routing key), so a signal is
+        bound, deduplicated by the inbox and failed like any message; one whose correlation is
+        missing or unusable is parked. ``body`` is its body type, checked as a handler's is: a
+        signal that fails it is parked as ``invalid`` before it resolves any wait, so a waiting
+        workflow only ever resumes with a body of that type (``wait_for`` returns it as JSON).
+        It resumes the waits for its correlation that are open, else it is kept for the next
+        wait for it (until the inbox's retention).
+        """
+        declared = Signal(routing_key, field=field, header=header)
+        self._add(Handler(name or routing_key, routing_key, declared.handle, body))
+        self._signals[routing_key] = declared
+
+    def declares_signal(self, routing_key: str) -> bool:
+        """Whether ``routing_key`` is a signal declared in this router's tree (the router it is
+        included in, any router included there)."""
+        root = self
+        while root._parent is not None:
+            root = root._parent
+        stack = [root]
+        while stack:
+            router = stack.pop()
+            if routing_key in router._signals:
+                return True
+            stack.extend(router._children)
+        return False
 
     def batch_handler(
         self,
@@ -187,6 +230,7 @@ class Router:
         for handler in other.handlers():
             self._add(handler)
         self._children.append(other)
+        other._parent = self
 
     def _add(self, handler: Handler) -> None:
         if "*" in handler.routing_key or "#" in handler.routing_key:

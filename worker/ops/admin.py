@@ -90,8 +90,8 @@ class OutboxStatus:
 
 @dataclass(frozen=True)
 class WorkflowStatus:
-    """Workflows in progress, and the one least recently advanced (``worker workflows`` lists it
-    first): the likeliest to be stuck."""
+    """Workflows in progress, and the one least recently advanced that is not waiting for a
+    signal or a deadline (a waiting one holds nothing on purpose): the likeliest to be stuck."""
 
     in_progress: int
     oldest: inspection.WorkflowState | None
@@ -190,7 +190,7 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
     async with snapshot.begin() as conn:
         stats = await inspection.outbox_stats(conn)
         inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
-        oldest = await inspection.in_progress_workflows(conn, 1)
+        oldest = await inspection.in_progress_workflows(conn, 1, waiting=False)
     return DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,

@@ -1,6 +1,8 @@
 """The inbox janitor: deletes completed and failed inbox keys older than ``inbox_retention``, and
 in the same sweep the HTTP ingress's requests accepted longer ago than that, and the records of
-copies parked in the dead-letter queue twice as long ago (their copies are then unverified).
+copies parked in the dead-letter queue twice as long ago (their copies are then unverified), and
+the signals for workflows received longer ago than the retention (a wait took them, or nobody
+waited for them in that time).
 
 One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
 finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own
@@ -27,7 +29,7 @@ from worker.backoff import first
 from worker.errors import is_transient
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
-from worker.sql import ingress, maintenance, parkings
+from worker.sql import ingress, maintenance, parkings, waits
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,9 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
             parked, parked_batches = await _delete_all(
                 conn, settings, parkings.delete_expired_parkings
             )
-            return Sweep(keys, key_batches + request_batches + parked_batches, requests, parked)
+            _, signal_batches = await _delete_all(conn, settings, waits.delete_expired_signals)
+            batches = key_batches + request_batches + parked_batches + signal_batches
+            return Sweep(keys, batches, requests, parked)
         finally:
             if locked:
                 await _unlock(conn)

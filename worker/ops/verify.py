@@ -251,7 +251,9 @@ async def no_stuck_inbox_keys(deployment: Deployment) -> Check:
 
 async def no_stuck_workflows(deployment: Deployment) -> Check:
     """No workflow whose lease expired more than ``stuck_after`` ago: its owner died and no
-    delivery took it over. A workflow with a live lease, or one that expired recently, is fine."""
+    delivery took it over. A workflow with a live lease, or one that expired recently, is fine;
+    so is one waiting for a signal or a deadline (it released its lease on purpose) until its
+    deadline is more than ``stuck_after`` past (its timer should have resumed it)."""
     handlers = _unit_of_work_handlers(deployment.router)
     stuck_after = deployment.options.stuck_after
     async with deployment.engine.connect() as conn:

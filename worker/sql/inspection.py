@@ -11,7 +11,9 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
+    and_,
     delete,
+    exists,
     func,
     literal,
     null,
@@ -24,12 +26,22 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from worker.sql.outbox import lock_ordering_keys
-from worker.sql.tables import inbox, interval, outbox, outbox_parked, outbox_scheduled
+from worker.sql.tables import (
+    inbox,
+    interval,
+    outbox,
+    outbox_parked,
+    outbox_scheduled,
+    workflow_waits,
+)
 
 
 @dataclass(frozen=True)
 class WorkflowState:
-    """An in-progress workflow, as ``worker workflows`` shows it."""
+    """An in-progress workflow, as ``worker workflows`` shows it: running (or due to be taken
+    over), or waiting (``wait`` names its open wait: for the signal ``wait_routing_key`` with
+    ``wait_correlation``, or a sleep when that is None, until ``wait_due_at`` by the database's
+    clock)."""
 
     handler: str
     key: str
@@ -39,17 +51,43 @@ class WorkflowState:
     attempts: int
     created_at: datetime
     updated_at: datetime
+    wait: str | None = None
+    wait_routing_key: str | None = None
+    wait_correlation: str | None = None
+    wait_due_at: datetime | None = None
 
 
-async def in_progress_workflows(conn: AsyncConnection, limit: int) -> list[WorkflowState]:
-    """Workflows under way or waiting to be resumed, least recently advanced first."""
-    columns = [inbox.c[name] for name in WorkflowState.__dataclass_fields__]
+_OPEN_WAIT = and_(
+    workflow_waits.c.handler == inbox.c.handler,
+    workflow_waits.c.key == inbox.c.key,
+    workflow_waits.c.outcome.is_(None),
+)
+"""Joins an inbox row to its workflow's open wait (a workflow has at most one)."""
+
+_WORKFLOW_COLUMNS = [
+    *(inbox.c[name] for name in list(WorkflowState.__dataclass_fields__)[:8]),
+    workflow_waits.c.name.label("wait"),
+    workflow_waits.c.routing_key.label("wait_routing_key"),
+    workflow_waits.c.correlation.label("wait_correlation"),
+    workflow_waits.c.due_at.label("wait_due_at"),
+]
+
+
+async def in_progress_workflows(
+    conn: AsyncConnection, limit: int, *, waiting: bool | None = None
+) -> list[WorkflowState]:
+    """Workflows under way, waiting (for a signal or a deadline) or to be resumed, least
+    recently advanced first; with ``waiting``, only those that wait (True) or do not (False)."""
     stmt = (
-        select(*columns)
+        select(*_WORKFLOW_COLUMNS)
+        .select_from(inbox.outerjoin(workflow_waits, _OPEN_WAIT))
         .where(inbox.c.status == "in_progress")
         .order_by(inbox.c.updated_at)
         .limit(limit)
     )
+    if waiting is not None:
+        opened = workflow_waits.c.name.is_not(None)
+        stmt = stmt.where(opened if waiting else ~opened)
     return [WorkflowState(**row._asdict()) for row in await conn.execute(stmt)]
 
 
@@ -482,14 +520,19 @@ async def expired_workflows(
     conn: AsyncConnection, handlers: Sequence[str], *, expired_for: float, limit: int
 ) -> tuple[int, list[InProgressKey]]:
     """In-progress workflows (keys with a lease, not of the non-workflow ``handlers``) whose lease
-    expired more than ``expired_for`` seconds ago: nobody has resumed them since. Returns the
-    count and the ``limit`` oldest."""
+    expired more than ``expired_for`` seconds ago: nobody has resumed them since. A workflow that
+    waits released its lease on purpose: it is stuck only when its wait's deadline passed more
+    than ``expired_for`` seconds ago (its timer should have resumed it). Returns the count and
+    the ``limit`` oldest."""
+    long_ago = func.now() - interval(expired_for)
+    waiting_in_time = exists().where(_OPEN_WAIT, workflow_waits.c.due_at >= long_ago)
     return await _in_progress_keys(
         conn,
         limit,
         inbox.c.lease_until.is_not(None),
         inbox.c.handler.not_in(list(handlers)),
-        inbox.c.lease_until < func.now() - interval(expired_for),
+        inbox.c.lease_until < long_ago,
+        ~waiting_in_time,
     )
 
 

@@ -14,6 +14,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from worker.sql import locks
 from worker.sql.tables import inbox, interval
 
 
@@ -37,7 +38,7 @@ async def synchronous_commit(conn: AsyncConnection) -> str:
     return str((await conn.execute(text("SHOW synchronous_commit"))).scalar_one())
 
 
-JANITOR_LOCK_CLASS = 7_262_002
+JANITOR_LOCK_CLASS = locks.JANITOR
 """First key of the session-level advisory lock (second key 0) held by the one sweeping janitor."""
 
 

@@ -26,13 +26,14 @@ from datetime import datetime
 from typing import Any
 
 from worker.core.codec import to_jsonable
+from worker.sql import locks
 from worker.sql.driver import Connection, in_transaction
 from worker.sql.rows import OutboxMessage
 
 OUTBOX_CHANNEL = "worker_outbox"
 """The LISTEN/NOTIFY channel relays wait on; a notification is only a hint to look now."""
 
-ORDERING_LOCK_CLASS = 7_262_001
+ORDERING_LOCK_CLASS = locks.ORDERING
 """First key of the transaction-scoped advisory locks that serialize an ordering key's rows."""
 
 RETRY_DELAY_CAP_SECONDS = 300.0
@@ -289,7 +290,7 @@ SCHEDULED_NOTICE = "scheduled"
 """The payload of the NOTIFY on ``OUTBOX_CHANNEL`` sent by a commit that scheduled events: it
 tells a relay that the earliest due time may have moved closer."""
 
-MOVER_LOCK_CLASS = 7_262_002
+MOVER_LOCK_CLASS = locks.MOVER
 """First key of the transaction-scoped advisory lock that lets one relay at a time move due
 events (two movers could interleave one key's events due at the same instant)."""
 

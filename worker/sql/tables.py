@@ -2,14 +2,16 @@
 
 ``inbox`` holds one row per (handler, idempotency key) whose effect has committed, or failed, or
 (for a workflow) is under way between steps under its owner's lease; ``workflow_steps`` holds the
-output of each committed step of a workflow; ``outbox`` holds events committed with an effect and
-not yet confirmed by the broker; ``outbox_scheduled`` holds events scheduled for later, moved
-into ``outbox`` when due; ``outbox_parked`` holds events the relay gave up on after its
-last attempt, for an operator to inspect and retry; ``ingress_requests`` holds one row per
-(handler, client, idempotency key) that the HTTP ingress accepted, with the key its handler runs
-under, its payload's fingerprint and the message id of the event it appended; ``dead_letters``
-holds one row per copy the worker itself parked in the dead-letter queue, the provenance
-``worker dlq`` checks before it replays one.
+output of each committed step of a workflow; ``workflow_waits`` one row per wait of a workflow
+(for a signal with a timeout, or a sleep), open until its signal or its deadline resolves it;
+``workflow_signals`` the signals that arrived when no wait was open for them; ``outbox`` holds
+events committed with an effect and not yet confirmed by the broker; ``outbox_scheduled`` holds
+events scheduled for later, moved into ``outbox`` when due; ``outbox_parked`` holds events the
+relay gave up on after its last attempt, for an operator to inspect and retry;
+``ingress_requests`` holds one row per (handler, client, idempotency key) that the HTTP ingress
+accepted, with the key its handler runs under, its payload's fingerprint and the message id of
+the event it appended; ``dead_letters`` holds one row per copy the worker itself parked in the
+dead-letter queue, the provenance ``worker dlq`` checks before it replays one.
 """
 
 from __future__ import annotations
@@ -86,6 +88,60 @@ workflow_steps = Table(
     Column("completed_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     PrimaryKeyConstraint("handler", "key", "step"),
     ForeignKeyConstraint(["handler", "key"], ["inbox.handler", "inbox.key"], ondelete="CASCADE"),
+)
+
+workflow_waits = Table(
+    "workflow_waits",
+    metadata,
+    Column("handler", Text, nullable=False),
+    Column("key", Text, nullable=False),
+    Column("name", Text, nullable=False, comment="the wait's name, in the namespace of steps"),
+    Column("routing_key", Text, nullable=True, comment="the signal waited for; NULL: a sleep"),
+    Column("correlation", Text, nullable=True),
+    Column("due_at", DateTime(timezone=True), nullable=False, comment="by the database's clock"),
+    Column("timer_id", Uuid, nullable=True, comment="message id of the scheduled resume"),
+    Column("resume_exchange", Text, nullable=False),
+    Column("resume_routing_key", Text, nullable=False),
+    Column("resume_body", LargeBinary, nullable=False),
+    Column("resume_content_type", Text, nullable=False),
+    Column("resume_headers", JSONB, nullable=False),
+    Column("resume_correlation_id", Text, nullable=True),
+    Column("outcome", Text, nullable=True),
+    Column("event", JSONB, nullable=True, comment="what resolved it: body and message id"),
+    Column("resolved_at", DateTime(timezone=True), nullable=True),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    PrimaryKeyConstraint("handler", "key", "name"),
+    ForeignKeyConstraint(["handler", "key"], ["inbox.handler", "inbox.key"], ondelete="CASCADE"),
+    CheckConstraint("outcome IN ('event', 'timeout')", name="outcome"),
+    Index(
+        "ix_workflow_waits_open_correlation",
+        "routing_key",
+        "correlation",
+        postgresql_where=text("outcome IS NULL"),
+    ),
+    Index("ix_workflow_waits_open_due_at", "due_at", postgresql_where=text("outcome IS NULL")),
+)
+
+workflow_signals = Table(
+    "workflow_signals",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("routing_key", Text, nullable=False),
+    Column("correlation", Text, nullable=False),
+    Column("message_id", Text, nullable=True),
+    Column("event", JSONB, nullable=False),
+    Column("received_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("consumed_at", DateTime(timezone=True), nullable=True),
+    Column("consumed_by_handler", Text, nullable=True),
+    Column("consumed_by_key", Text, nullable=True),
+    Index(
+        "ix_workflow_signals_unconsumed",
+        "routing_key",
+        "correlation",
+        "id",
+        postgresql_where=text("consumed_at IS NULL"),
+    ),
+    Index(None, "received_at"),
 )
 
 outbox = Table(

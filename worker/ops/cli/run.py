@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from typing import TYPE_CHECKING
 
 from worker.core.router import Router
 from worker.errors import ConfigurationError
@@ -15,6 +16,9 @@ from worker.ops.cli.exits import until_signalled
 from worker.ops.cli.output import show
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
 from worker.settings import Group, Settings, format_duration, positive_int
+
+if TYPE_CHECKING:
+    from worker.sql import inspection
 
 HTTP_EXTRA = frozenset({"fastapi", "starlette", "uvicorn", "h11", "anyio", "click"})
 """Top-level modules of the ``http`` extra's packages: ``worker serve`` without one of them says
@@ -176,10 +180,25 @@ def _workflows(settings: Settings, args: argparse.Namespace) -> int:
                 f"recovery_point={state.recovery_point or '-'} owner={state.owner or '-'} "
                 f"lease_until={state.lease_until.isoformat() if state.lease_until else '-'} "
                 f"attempts={state.attempts} updated_at={state.updated_at.isoformat()}"
+                f"{_waiting(state)}"
             )
     if not args.json:
-        print(f"{len(states)} workflow(s) in progress")
+        waiting = sum(1 for state in states if state.wait is not None)
+        print(f"{len(states)} workflow(s) in progress, {waiting} of them waiting")
     return 0
+
+
+def _waiting(state: inspection.WorkflowState) -> str:
+    """What a waiting workflow waits for, and until when, as ``worker workflows`` shows it."""
+    if state.wait is None or state.wait_due_at is None:
+        return ""
+    until = state.wait_due_at.isoformat()
+    if state.wait_routing_key is None:
+        return f" waiting={state.wait} sleep until={until}"
+    return (
+        f" waiting={state.wait} signal={state.wait_routing_key} "
+        f"correlation={state.wait_correlation} until={until}"
+    )
 
 
 def _workflows_options(parser: argparse.ArgumentParser) -> None:
@@ -190,10 +209,11 @@ def _workflows_options(parser: argparse.ArgumentParser) -> None:
 WORKFLOWS = Command(
     "workflows",
     _workflows,
-    "list workflows in progress: their recovery point, owner and lease",
+    "list workflows in progress: their recovery point, owner and lease, and what they wait for",
     "Workflows whose key is in progress, least recently advanced first: the last committed "
     "step, the delivery that owns it and until when (an expired lease is taken over by the "
-    "next delivery).",
+    "next delivery); a waiting workflow owns nothing and shows its wait: the signal's routing "
+    "key and correlation, or a sleep, and its deadline by the database's clock.",
     options=_workflows_options,
 )
 
