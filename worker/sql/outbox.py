@@ -339,12 +339,16 @@ DUE_SCHEDULED = f"""
 SELECT s.id, s.ordering_key
 FROM outbox_scheduled AS s
 WHERE (SELECT pg_try_advisory_xact_lock({MOVER_LOCK_CLASS}, 0)) AND s.due_at <= now()
+  AND NOT EXISTS (SELECT * FROM outbox AS o WHERE o.message_id = s.message_id)
+  AND (s.ordering_key IS NULL OR s.ordering_key != ALL ($2::text[]))
 ORDER BY s.due_at, s.id
 LIMIT $1
 FOR UPDATE OF s SKIP LOCKED
 """
 """Lock up to ``$1`` due events, earliest first, if this transaction is the one mover (else
-none); their ids and ordering keys."""
+none), leaving those of the ordering keys in ``$2``; their ids and ordering keys. An event whose
+message id is still in ``outbox`` (an event of that id due at once, not yet published) waits
+until that one has left: ``outbox``'s message ids are unique."""
 
 TRY_ORDERING_LOCKS = f"""
 SELECT k.key
@@ -357,19 +361,27 @@ producer cannot deadlock)."""
 
 MOVE_DUE = """
 WITH moved AS (
-    DELETE FROM outbox_scheduled WHERE id = ANY($1::bigint[])
-    RETURNING id, message_id, exchange, routing_key, body, content_type, headers,
-              correlation_id, causation_id, ordering_key, due_at
+    INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
+                        correlation_id, causation_id, ordering_key)
+    SELECT message_id, exchange, routing_key, body, content_type, headers,
+           correlation_id, causation_id, ordering_key
+    FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[])
+    ORDER BY due_at, id
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING message_id
+), removed AS (
+    DELETE FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[]) AND message_id IN (SELECT moved.message_id FROM moved)
+    RETURNING id
 )
-INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
-                    correlation_id, causation_id, ordering_key)
-SELECT message_id, exchange, routing_key, body, content_type, headers,
-       correlation_id, causation_id, ordering_key
-FROM moved
-ORDER BY due_at, id
+SELECT count(*)::int FROM removed
 """
 """Move the scheduled events of the ids in ``$1`` into ``outbox``, in due order: their outbox
-ids, and so their places in their keys' order, are given now."""
+ids, and so their places in their keys' order, are given now; how many moved. One whose message
+id an event committed to ``outbox`` since ``DUE_SCHEDULED`` looked has stays scheduled (a unique
+violation would fail every move, and the relay)."""
+
 
 NEXT_DUE_IN = """
 SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
@@ -382,17 +394,21 @@ async def move_due(conn: Connection, limit: int) -> int:
     in ``conn``'s transaction; returns how many moved. A due event whose ordering key another
     transaction holds (appending events of that key) is left for the next call, and none are
     moved while another transaction is moving (one mover at a time, by advisory lock): then
-    ``next_due_in`` is negative."""
+    ``next_due_in`` is negative. When every event chosen is of a key held elsewhere, the next
+    ones of the other keys are chosen (those keys' events never hold back the rest)."""
     driver = await in_transaction(conn)
-    due = await driver.fetch(DUE_SCHEDULED, limit)
-    if not due:
-        return 0
-    keys = sorted({key for _, key in due if key is not None})
-    held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
-    ids = [row_id for row_id, key in due if key is None or key in held]
-    if ids:
-        await driver.execute(MOVE_DUE, ids)
-    return len(ids)
+    skipped: list[str] = []
+    while True:
+        due = await driver.fetch(DUE_SCHEDULED, limit, skipped)
+        if not due:
+            return 0
+        keys = sorted({key for _, key in due if key is not None})
+        held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
+        ids = [row_id for row_id, key in due if key is None or key in held]
+        if ids:
+            moved: int = await driver.fetchval(MOVE_DUE, ids)
+            return moved
+        skipped += keys  # all held elsewhere: each round leaves at least one more key
 
 
 async def next_due_in(conn: Connection) -> float | None:
@@ -431,10 +447,12 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     scheduled or waiting in ``outbox``, so that once this transaction commits it is never
     published; False if it was published already, parked, or never existed.
 
-    Scheduled table first: an event a relay moves meanwhile is found in ``outbox`` by the next
-    statement (a new snapshot under READ COMMITTED). A scheduled event's ordering key is locked
-    first, as a producer of that key locks it, so that while this transaction is open no mover
-    moves the key's later events past it (it would, should the cancel be rolled back).
+    Scheduled table first, then ``outbox`` (also when it was scheduled: the two tables' message
+    ids are unique each, so an event published at once may share its id): an event a relay moves
+    meanwhile is found in ``outbox`` by the next statement (a new snapshot under READ
+    COMMITTED). A scheduled event's ordering key is locked first, as a producer of that key locks
+    it, so that while this transaction is open no mover moves the key's later events past it (it
+    would, should the cancel be rolled back).
     """
     if not isinstance(message_id, uuid.UUID):
         raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
@@ -442,6 +460,7 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     key = await driver.fetchval(SCHEDULED_ORDERING_KEY, message_id)
     if key is not None:
         await lock_ordering_keys(driver, [key], notify=False)
-    if await driver.fetchval(CANCEL_SCHEDULED, message_id):
-        return True
-    return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    if not await driver.fetchval(CANCEL_SCHEDULED, message_id):
+        return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    await driver.fetchval(CANCEL_DUE, message_id)  # an event due at once may share its id
+    return True
