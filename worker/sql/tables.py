@@ -144,6 +144,7 @@ workflow_signals = Table(
     Index(None, "received_at"),
 )
 
+
 def _event_columns() -> list[Column[Any]]:
     """The columns of an event to publish, as ``outbox`` and ``outbox_scheduled`` both hold it
     (new objects each call: a column belongs to one table)."""
