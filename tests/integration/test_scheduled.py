@@ -434,6 +434,32 @@ async def test_a_cancel_in_flight_holds_its_key_so_a_later_event_cannot_overtake
     assert await in_outbox(engine) == [first, second]
 
 
+async def test_a_cancel_takes_no_ordering_lock_so_it_cannot_deadlock_with_a_producer(
+    engine: AsyncEngine,
+) -> None:
+    # Given a scheduled event of key B
+    async with engine.begin() as conn:
+        b_event = await outbox.publish(conn, "b", {}, ordering_key="B", delay=LATER)
+
+    # When one transaction cancels it and, while it is open, another publishes events of keys A
+    # and B (taking A's lock, then B's: a cancel holding B's would make it wait)
+    async with engine.connect() as canceller, engine.connect() as producer:
+        await canceller.begin()
+        assert await outbox.cancel(canceller, b_event) is True
+        await producer.begin()
+        both = [Event("a", {}, ordering_key="A"), Event("b", {}, ordering_key="B")]
+        await asyncio.wait_for(outbox.publish_many(producer, both), timeout=10)
+
+        # Then the producer waits for nothing of the canceller's, so the canceller publishing A
+        # next waits for the producer's commit instead of both waiting for each other
+        one = asyncio.create_task(outbox.publish(canceller, "a", {}, ordering_key="A"))
+        await producer.commit()
+        await asyncio.wait_for(one, timeout=10)
+        await canceller.commit()
+    assert len(await in_outbox(engine)) == 3
+    assert await scheduled(engine) == {}
+
+
 async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_producers_event(
     engine: AsyncEngine,
 ) -> None:

@@ -359,6 +359,20 @@ WHERE pg_try_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))
 held by a transaction appending events of its own is skipped (never waited for, so a mover and a
 producer cannot deadlock)."""
 
+BLOCKED_KEYS = """
+SELECT DISTINCT mine.ordering_key
+FROM outbox_scheduled AS mine
+WHERE mine.id = ANY($1::bigint[])
+  AND EXISTS (SELECT * FROM outbox_scheduled AS earlier
+              WHERE earlier.ordering_key = mine.ordering_key
+                AND (earlier.due_at, earlier.id) < (mine.due_at, mine.id)
+                AND earlier.id <> ALL ($1::bigint[]))
+"""
+"""Of the keyed scheduled events of the ids in ``$1``, the ordering keys with an earlier event
+outside ``$1`` (one ``DUE_SCHEDULED`` skipped: another transaction holds it, or its message id
+is still in ``outbox``): moving the key's later events would put them before it. One range scan
+of ``ix_outbox_scheduled_ordering_key_due_at_id`` per event."""
+
 MOVE_DUE = """
 WITH moved AS (
     INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
@@ -391,11 +405,14 @@ SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
 
 async def move_due(conn: Connection, limit: int) -> int:
     """Move up to ``limit`` due events from ``outbox_scheduled`` into ``outbox``, earliest first,
-    in ``conn``'s transaction; returns how many moved. A due event whose ordering key another
-    transaction holds (appending events of that key) is left for the next call, and none are
-    moved while another transaction is moving (one mover at a time, by advisory lock): then
-    ``next_due_in`` is negative. When every event chosen is of a key held elsewhere, the next
-    ones of the other keys are chosen (those keys' events never hold back the rest)."""
+    in ``conn``'s transaction; returns how many moved. None are moved while another transaction
+    is moving (one mover at a time, by advisory lock): then ``next_due_in`` is negative.
+
+    An ordering key's due events are left for a later call, whole, while another transaction
+    holds the key (appending events of its own) or holds one of them (cancelling it: a rolled
+    back cancel would leave that event behind the key's later ones) (``BLOCKED_KEYS``). When
+    every event chosen is of such a key, the next ones of the other keys are chosen: those keys'
+    events never hold back the rest."""
     driver = await in_transaction(conn)
     skipped: list[str] = []
     while True:
@@ -404,11 +421,14 @@ async def move_due(conn: Connection, limit: int) -> int:
             return 0
         keys = sorted({key for _, key in due if key is not None})
         held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
-        ids = [row_id for row_id, key in due if key is None or key in held]
+        chosen = [(row_id, key) for row_id, key in due if key is None or key in held]
+        keyed = [row_id for row_id, key in chosen if key is not None]
+        blocked = {key for (key,) in await driver.fetch(BLOCKED_KEYS, keyed)} if keyed else set()
+        ids = [row_id for row_id, key in chosen if key is None or key not in blocked]
         if ids:
             moved: int = await driver.fetchval(MOVE_DUE, ids)
             return moved
-        skipped += keys  # all held elsewhere: each round leaves at least one more key
+        skipped += keys  # all held or blocked: each round leaves at least one more key
 
 
 async def next_due_in(conn: Connection) -> float | None:
@@ -431,9 +451,6 @@ async def bring_forward(conn: Connection, seconds: float) -> None:
     await driver.execute(BRING_FORWARD, seconds)
 
 
-SCHEDULED_ORDERING_KEY = "SELECT ordering_key FROM outbox_scheduled WHERE message_id = $1"
-"""The ordering key of the scheduled event of message id ``$1`` (NULL: none, or no such event)."""
-
 CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"
 """Delete the scheduled event of message id ``$1``; a row when there was one."""
 
@@ -450,16 +467,13 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     Scheduled table first, then ``outbox`` (also when it was scheduled: the two tables' message
     ids are unique each, so an event published at once may share its id): an event a relay moves
     meanwhile is found in ``outbox`` by the next statement (a new snapshot under READ
-    COMMITTED). A scheduled event's ordering key is locked first, as a producer of that key locks
-    it, so that while this transaction is open no mover moves the key's later events past it (it
-    would, should the cancel be rolled back).
+    COMMITTED). No ordering lock is taken: while this transaction holds a scheduled event's
+    row, the mover moves none of its key's later events (``BLOCKED_KEYS``), in case the cancel
+    is rolled back.
     """
     if not isinstance(message_id, uuid.UUID):
         raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
     driver = await in_transaction(conn)
-    key = await driver.fetchval(SCHEDULED_ORDERING_KEY, message_id)
-    if key is not None:
-        await lock_ordering_keys(driver, [key], notify=False)
     if not await driver.fetchval(CANCEL_SCHEDULED, message_id):
         return bool(await driver.fetchval(CANCEL_DUE, message_id))
     await driver.fetchval(CANCEL_DUE, message_id)  # an event due at once may share its id

@@ -187,6 +187,13 @@ outbox_scheduled = Table(
     Column("due_at", DateTime(timezone=True), nullable=False, comment="by the database's clock"),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "due_at", "id"),
+    Index(
+        None,
+        "ordering_key",
+        "due_at",
+        "id",
+        postgresql_where=text("ordering_key IS NOT NULL"),
+    ),
 )
 
 outbox_parked = Table(
