@@ -1,9 +1,12 @@
 """Waiting workflows on their failure paths, against the real PostgreSQL and RabbitMQ: a
 workflow that fails after a wait resolved keeps what resolved it, so its DLQ replay resumes it
-with that outcome instead of waiting again."""
+with that outcome instead of waiting again; a second copy of the message that resumes a wait,
+coming while the workflow runs past that wait, is acked as a duplicate, not retried until it is
+parked with the running workflow's key marked failed."""
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -11,13 +14,15 @@ from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
-from tests.integration.support import publish, running_worker, settled
+from tests.integration.support import dead_letters, publish, running_worker, settled
 from worker import Context, Permanent, Router, Workflow
 from worker.ops import dlq
 from worker.settings import Settings
 
 REQUESTED = "payment.requested"
 CONFIRMED = "payment.confirmed"
+DISPATCHED = "parcel.dispatched"
+DELIVERED = "parcel.delivered"
 
 refusals: list[str] = []
 """How many times the ledger refuses to book (one entry per refusal still to come)."""
@@ -80,3 +85,76 @@ async def test_a_replay_of_a_workflow_that_failed_after_its_wait_resumes_with_it
     ]
     assert await rows(engine, "SELECT name, outcome FROM workflow_waits") == [("paid", "event")]
     assert await scalar(engine, "SELECT count(*) FROM outbox_scheduled") == 0
+
+
+class Gate:
+    """Holds the step after the wait until the test opens it; says when a run is inside it."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+        self.opened = asyncio.Event()
+        self.runs = 0
+
+
+def parcel_router(gate: Gate) -> Router:
+    """A workflow that waits for its parcel's delivery, then files it in a step held by
+    ``gate`` (a step that takes longer than the retry chain)."""
+    router = Router()
+    router.signal(DELIVERED, field="parcel")
+
+    async def file(ctx: Context, delivery: dict[str, Any]) -> dict[str, Any]:
+        gate.runs += 1
+        gate.entered.set()
+        await gate.opened.wait()
+        return {"filed": delivery["parcel"]}
+
+    @router.workflow(DISPATCHED)
+    async def track(body: dict[str, Any], wf: Workflow) -> dict[str, Any]:
+        delivery = await wf.wait_for(
+            "delivered", DELIVERED, correlation=body["parcel"], timeout=timedelta(hours=1)
+        )
+        return await wf.step("file", file, delivery)  # type: ignore[no-any-return]
+
+    return router
+
+
+async def test_a_second_copy_of_a_resume_while_the_workflow_runs_is_a_duplicate(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    gate = Gate()
+    async with running_worker(settings, parcel_router(gate)) as worker:
+        channel = await amqp.channel(publisher_confirms=True)
+        # Given a waiting workflow, and a tap on the messages that resume it
+        await publish(channel, settings, {"parcel": "x-1"}, key="parcel-1", routing_key=DISPATCHED)
+        await settled(worker, waiting=1)
+        tap = await channel.declare_queue(exclusive=True)
+        await tap.bind(settings.exchange, DISPATCHED)
+
+        # When its signal resumes it and it runs past the wait, in a step that takes long
+        body = {"parcel": "x-1"}
+        await publish(channel, settings, body, key="delivered-x-1", routing_key=DELIVERED)
+        await gate.entered.wait()
+
+        # And a second copy of the resume message comes meanwhile (a relay's publish repeated
+        # after a lost confirm; as the timer published before the signal cancelled it does)
+        resume = await tap.get(timeout=10)
+        exchange = await channel.get_exchange(settings.exchange)
+        await exchange.publish(resume, routing_key=DISPATCHED)
+
+        async def copy_settled() -> bool:
+            return worker.stats["duplicate"] + worker.stats["retry_scheduled"] >= 1
+
+        await wait_until(copy_settled)
+        gate.opened.set()
+        await settled(worker, processed=2)  # (the signal, then the workflow)
+
+        # Then the copy was acked as a duplicate, not retried (its retries would outlast the
+        # step, be parked, and mark the running workflow's key failed): the workflow completed
+        # once, nothing parked
+        assert (worker.stats["duplicate"], worker.stats["retry_scheduled"]) == (1, 0)
+        assert await dead_letters(channel, settings) == []
+        await channel.close()
+    assert await rows(engine, "SELECT status, result FROM inbox WHERE key = 'parcel-1'") == [
+        ("completed", {"filed": "x-1"})
+    ]
+    assert gate.runs == 1

@@ -43,7 +43,7 @@ from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.events import Event, due
 from worker.core.outcomes import Outcome
-from worker.core.signals import correlation_text
+from worker.core.signals import RESUME_HEADER, correlation_text
 from worker.errors import Rejected, Retryable, WorkerError, handler_failed, is_transient
 from worker.faults import WORKFLOW_TIMEOUT_BEFORE_COMMIT, WORKFLOW_WAIT_REGISTERED, crash_point
 from worker.sql import inbox, outbox, waits
@@ -275,22 +275,28 @@ class Workflow:
             )
 
 
-async def _obsolete_timer(conn: AsyncConnection, envelope: Envelope) -> bool:
-    """Whether this delivery is the timer of a wait its signal resolved first: then the signal's
-    resume message carries the workflow on, and the timer, finding the workflow running, is
-    dropped (acked as a duplicate) instead of retried until a long run outlasts the retry chain.
-    Any other delivery of a running workflow may be what carries it on (a redelivery of the
-    owner's own), so it is retried."""
-    name = envelope.delivery.headers.get(TIMER_HEADER)
+async def _obsolete_resume(conn: AsyncConnection, envelope: Envelope) -> bool:
+    """Whether this delivery resumes a wait that is resolved already (a wait's timer, or the
+    message its signal published) while the workflow runs: then the delivery running it replays
+    past that wait and carries it on, and this one is dropped (acked as a duplicate) instead of
+    retried until a long run outlasts the retry chain and it is parked, marking the running
+    workflow's key failed. This is the timer that came after its signal won, or a second copy of
+    a resume (a publish repeated, or the signal's resume after the timer, published before the
+    signal cancelled it, took the workflow over). Any other delivery of a running workflow may be
+    what carries it on (a redelivery of the owner's own), so it is retried, as is a resume of a
+    wait still open."""
+    headers = envelope.delivery.headers
+    name = headers.get(TIMER_HEADER, headers.get(RESUME_HEADER))
     if not isinstance(name, str):
         return False
     state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
-    if state is None or state.outcome != waits.EVENT:
+    if state is None or state.outcome is None:
         return False
     log.info(
-        "timer of wait %s of workflow %s came after its signal, while the workflow runs: dropped",
+        "resume of wait %s of workflow %s (resolved: %s) came while the workflow runs: dropped",
         name,
         envelope.key,
+        state.outcome,
     )
     return True
 
@@ -315,7 +321,7 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
                 conn, handler.name, envelope.key, owner=owner, lease=lease
             )
             if not taken:
-                if await _obsolete_timer(conn, envelope):
+                if await _obsolete_resume(conn, envelope):
                     return Outcome.DUPLICATE
                 raise WorkflowBusy(f"workflow {envelope.key!r} is running in another delivery")
         # a key claimed just now has no steps (they cascade with its inbox row)
