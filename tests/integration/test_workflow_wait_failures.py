@@ -2,7 +2,8 @@
 workflow that fails after a wait resolved keeps what resolved it, so its DLQ replay resumes it
 with that outcome instead of waiting again; a second copy of the message that resumes a wait,
 coming while the workflow runs past that wait, is acked as a duplicate, not retried until it is
-parked with the running workflow's key marked failed."""
+parked with the running workflow's key marked failed; and a timer that comes after the janitor
+forgot its completed workflow does not start the workflow over."""
 
 from __future__ import annotations
 
@@ -11,13 +12,20 @@ from datetime import timedelta
 from typing import Any
 
 from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from tests.helpers import rows, scalar, wait_until
 from tests.integration.support import dead_letters, publish, running_worker, settled
+from tests.integration.waiting_handlers import CONFIRMED as SHIPPED
+from tests.integration.waiting_handlers import ORDER
+from tests.integration.waiting_handlers import router as order_router
 from worker import Context, Permanent, Router, Workflow
+from worker.core.workflows import TIMER_HEADER
+from worker.ops.janitor import sweep
 from worker.ops import dlq
 from worker.settings import Settings
+from worker.testing import Harness
 
 REQUESTED = "payment.requested"
 CONFIRMED = "payment.confirmed"
@@ -158,3 +166,42 @@ async def test_a_second_copy_of_a_resume_while_the_workflow_runs_is_a_duplicate(
         ("completed", {"filed": "x-1"})
     ]
     assert gate.runs == 1
+
+
+async def test_a_timer_that_comes_after_its_workflow_was_forgotten_does_not_start_it_over(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    async with engine.begin() as conn:
+        await conn.execute(
+            text(
+                "CREATE TABLE IF NOT EXISTS wait_effects "
+                "(id bigserial PRIMARY KEY, key text NOT NULL, step text NOT NULL)"
+            )
+        )
+        await conn.execute(text("TRUNCATE wait_effects"))
+    harness = Harness(order_router, engine)
+    body = {"order_id": "f-1"}
+
+    # Given an order its confirmation resumed and completed
+    assert (await harness.deliver(ORDER, body, key="order-f-1")).outcome == "waiting"
+    await harness.deliver(SHIPPED, {"order_id": "f-1"}, key="c-f-1")
+    assert (await harness.deliver(ORDER, body, key="order-f-1")).outcome == "processed"
+
+    # And forgotten by the janitor once older than the retention
+    async with engine.begin() as conn:
+        await conn.execute(
+            text("UPDATE inbox SET updated_at = now() - make_interval(secs => :s)"),
+            {"s": settings.inbox_retention + 60},
+        )
+    await sweep(engine, settings)
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'order-f-1'") == 0
+
+    # When its wait's timer comes after all (an outbox row parked when its publish failed,
+    # retried by an operator later: a signal's cancel leaves a parked row alone)
+    late = await harness.deliver(ORDER, body, key="order-f-1", headers={TIMER_HEADER: "shipped"})
+
+    # Then it is dropped: the order is not reserved again nor left waiting for a second time
+    assert late.outcome == "duplicate"
+    found = await rows(engine, "SELECT step FROM wait_effects ORDER BY id")
+    assert [step for (step,) in found] == ["reserve", "complete"]
+    assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'order-f-1'") == 0

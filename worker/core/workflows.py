@@ -275,6 +275,32 @@ class Workflow:
             )
 
 
+def _resumed_wait(envelope: Envelope) -> str | None:
+    """The name of the wait this delivery resumes (it is a wait's timer, or the message its
+    signal published), or None for any other delivery."""
+    headers = envelope.delivery.headers
+    name = headers.get(TIMER_HEADER, headers.get(RESUME_HEADER))
+    return name if isinstance(name, str) else None
+
+
+async def _forgotten(conn: AsyncConnection, envelope: Envelope) -> bool:
+    """Whether this delivery resumes a wait of a workflow whose key is gone: a resume is
+    published only once its workflow's key and wait are committed, and such a key is deleted
+    only by the janitor, completed or failed longer ago than the retention. Then the delivery
+    is a late timer (a parked outbox row retried later) and is dropped; claiming the key would
+    start the finished workflow over from its first step."""
+    name = _resumed_wait(envelope)
+    if name is None or await inbox.fetch_keys(conn, [envelope.inbox_key]):
+        return False
+    log.warning(
+        "resume of wait %s of workflow %s of %s came after the workflow's key expired: dropped",
+        name,
+        envelope.key,
+        envelope.handler.name,
+    )
+    return True
+
+
 async def _obsolete_resume(conn: AsyncConnection, envelope: Envelope) -> bool:
     """Whether this delivery resumes a wait that is resolved already (a wait's timer, or the
     message its signal published) while the workflow runs: then the delivery running it replays
@@ -285,9 +311,8 @@ async def _obsolete_resume(conn: AsyncConnection, envelope: Envelope) -> bool:
     signal cancelled it, took the workflow over). Any other delivery of a running workflow may be
     what carries it on (a redelivery of the owner's own), so it is retried, as is a resume of a
     wait still open."""
-    headers = envelope.delivery.headers
-    name = headers.get(TIMER_HEADER, headers.get(RESUME_HEADER))
-    if not isinstance(name, str):
+    name = _resumed_wait(envelope)
+    if name is None:
         return False
     state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
     if state is None or state.outcome is None:
@@ -313,6 +338,8 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
     owner = uuid.uuid4().hex
     lease = config.workflow_lease
     async with engine.connect() as conn, conn.begin():
+        if await _forgotten(conn, envelope):
+            return Outcome.DUPLICATE
         existing = await claim(conn, envelope, owner=owner, lease=lease)
         if existing is not None:
             if existing.status != "in_progress":
