@@ -22,8 +22,8 @@ from tests.integration.waiting_handlers import ORDER
 from tests.integration.waiting_handlers import router as order_router
 from worker import Context, Permanent, Router, Workflow
 from worker.core.workflows import TIMER_HEADER
-from worker.ops.janitor import sweep
 from worker.ops import dlq
+from worker.ops.janitor import sweep
 from worker.settings import Settings
 from worker.testing import Harness
 
@@ -81,7 +81,7 @@ async def test_a_replay_of_a_workflow_that_failed_after_its_wait_resumes_with_it
             open_waits = await scalar(
                 engine, "SELECT count(*) FROM workflow_waits WHERE outcome IS NULL"
             )
-            return status == "completed" or (status == "in_progress" and open_waits == 1)
+            return bool(status == "completed" or (status == "in_progress" and open_waits == 1))
 
         await wait_until(settled_again)
         await channel.close()
