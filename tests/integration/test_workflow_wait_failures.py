@@ -205,3 +205,29 @@ async def test_a_timer_that_comes_after_its_workflow_was_forgotten_does_not_star
     found = await rows(engine, "SELECT step FROM wait_effects ORDER BY id")
     assert [step for (step,) in found] == ["reserve", "complete"]
     assert await scalar(engine, "SELECT count(*) FROM inbox WHERE key = 'order-f-1'") == 0
+
+
+async def test_a_wait_called_inside_a_step_fails_the_workflow_instead_of_hanging_it(
+    engine: AsyncEngine,
+) -> None:
+    # Given a workflow whose step sleeps (a wait inside a step: the step's transaction holds
+    # the workflow's row, which the wait's own transaction must lock too)
+    nested = Router()
+
+    @nested.workflow("nested.started")
+    async def sleep_in_step(body: Any, wf: Workflow) -> None:
+        async def nap(ctx: Context) -> None:
+            await wf.sleep("nap", timedelta(minutes=1))
+
+        await wf.step("outer", nap)
+
+    # When it runs (bounded: on a hang the delivery never ends)
+    ended = await asyncio.wait_for(
+        Harness(nested, engine).deliver("nested.started", {}, key="n-1"), timeout=30
+    )
+
+    # Then it is parked with the reason, and nothing of the step or the wait is kept
+    assert ended.outcome == "dead_lettered"
+    assert "called while step 'outer' runs" in str(ended.error)
+    assert await scalar(engine, "SELECT count(*) FROM workflow_waits") == 0
+    assert await scalar(engine, "SELECT count(*) FROM workflow_steps") == 0

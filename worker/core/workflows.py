@@ -100,6 +100,7 @@ class Workflow:
         self.owner = owner
         self.outputs = dict(outputs)
         self._called: list[str] = []
+        self._running: str | None = None  # the step whose function runs now
 
     @property
     def key(self) -> str:
@@ -113,9 +114,17 @@ class Workflow:
 
     def _call(self, name: str) -> None:
         """Take ``name`` in the run's one namespace of steps and waits; a name used twice is an
-        error (it would replay the other's output)."""
+        error (it would replay the other's output), and so is a step or wait called while a step
+        runs (from its function: its transaction would wait forever on the workflow's row, which
+        the running step's transaction holds)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a workflow step or wait needs a non-empty name, not {name!r}")
+        if self._running is not None:
+            # its transaction would wait on the row the running step's transaction holds
+            raise ValueError(
+                f"workflow step or wait {name!r} called while step {self._running!r} runs: "
+                "call steps and waits one after another from the workflow, not from a step"
+            )
         if name in self._called:
             raise ValueError(f"workflow step {name!r} is called twice")
         self._called.append(name)
@@ -139,6 +148,7 @@ class Workflow:
                 step=name,
                 asyncpg=driver,
             )
+            self._running = name
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()
@@ -153,6 +163,7 @@ class Workflow:
                     lease=self.config.workflow_lease,
                 )
             finally:
+                self._running = None
                 await ctx.close()
             crash_point(BEFORE_COMMIT + name)
         crash_point(AFTER_STEP + name)
