@@ -294,14 +294,15 @@ def _resumed_wait(envelope: Envelope) -> str | None:
     return name if isinstance(name, str) else None
 
 
-async def _forgotten(conn: AsyncConnection, envelope: Envelope) -> bool:
-    """Whether this delivery resumes a wait of a workflow whose key is gone: a resume is
-    published only once its workflow's key and wait are committed, and such a key is deleted
-    only by the janitor, completed or failed longer ago than the retention. Then the delivery
-    is a late timer (a parked outbox row retried later) and is dropped; claiming the key would
-    start the finished workflow over from its first step."""
+def _forgotten(envelope: Envelope) -> bool:
+    """Whether this delivery, which just claimed its key anew, resumes a wait: then its
+    workflow's key is gone (a resume is published only once its workflow's key and wait are
+    committed, and such a key is deleted only by the janitor, completed or failed longer ago than
+    the retention). It is a late timer (a parked outbox row retried later) and is dropped with
+    its claim rolled back; running it would start the finished workflow over from its first
+    step."""
     name = _resumed_wait(envelope)
-    if name is None or await inbox.fetch_keys(conn, [envelope.inbox_key]):
+    if name is None:
         return False
     log.warning(
         "resume of wait %s of workflow %s of %s came after the workflow's key expired: dropped",
@@ -348,10 +349,11 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
     handler = envelope.handler
     owner = uuid.uuid4().hex
     lease = config.workflow_lease
-    async with engine.connect() as conn, conn.begin():
-        if await _forgotten(conn, envelope):
-            return Outcome.DUPLICATE
+    async with engine.connect() as conn, conn.begin() as transaction:
         existing = await claim(conn, envelope, owner=owner, lease=lease)
+        if existing is None and _forgotten(envelope):
+            await transaction.rollback()
+            return Outcome.DUPLICATE
         if existing is not None:
             if existing.status != "in_progress":
                 return duplicate(existing)
