@@ -23,7 +23,17 @@ SEED = 1
 PUBLISH_WINDOW = 1000
 """Publishes in flight at once when preloading, and in the bare publish+confirm baseline."""
 PAYMENT_TABLES = ("accounts", "ledger_entries", "settlement_notices")
-WORKER_TABLES = ("inbox", "workflow_steps", "outbox", "outbox_parked")
+WORKER_TABLES = (
+    "inbox",
+    "workflow_steps",
+    "workflow_waits",
+    "workflow_signals",
+    "outbox",
+    "outbox_scheduled",
+    "outbox_parked",
+)
+"""The worker's tables a scenario empties (``workflow_waits`` references ``inbox``: TRUNCATE
+needs both in one statement)."""
 
 
 async def publish_all(
@@ -36,11 +46,13 @@ async def publish_all(
         await asyncio.gather(*(exchange.publish(m, routing_key, mandatory=True) for m in window))
 
 
-async def reset_tables(engine: AsyncEngine) -> None:
-    """Empty the worker's and the example's tables, then CHECKPOINT, so each scenario starts
-    from the same state without the previous one's dirty pages to write."""
+async def reset_tables(
+    engine: AsyncEngine, tables: Iterable[str] = WORKER_TABLES + PAYMENT_TABLES
+) -> None:
+    """Empty ``tables`` (by default the worker's and the example's), then CHECKPOINT, so each
+    scenario starts from the same state without the previous one's dirty pages to write."""
     async with engine.begin() as conn:
-        await conn.execute(text(f"TRUNCATE {', '.join(WORKER_TABLES + PAYMENT_TABLES)}"))
+        await conn.execute(text(f"TRUNCATE {', '.join(tables)}"))
     async with engine.connect() as conn:
         await conn.execute(text("CHECKPOINT"))
 

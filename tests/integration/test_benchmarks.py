@@ -68,3 +68,22 @@ def test_ingress_quick_run_prints_the_ratio_and_the_p99() -> None:
     for attack in ("idle flood", "slow bodies"):
         [line] = [line for line in lines if line.startswith(attack)]
         assert " 10/10 " in line, result.stdout
+
+
+def test_scheduled_small_run_prints_every_ratio_and_publishes_none_early() -> None:
+    # Given a small run: 10,000 future events, 2 s of due events, 500 rows per drain
+    result = run_benchmark(
+        "scheduled", "--future", "10000", "--seconds", "2", "--rows", "500", "--wakeups", "10"
+    )
+    # Then it finished with every drain, claim cost, wake-up and ratio printed
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for drain in ("(d0) ", "(d1) ", "(over) ", "(alt) "):
+        assert any(line.startswith(drain) and "500" in line for line in lines), result.stdout
+    for ratio in ("d1/d0", "w1/w0 p50", "w1/w0 p99", "over/d1", "alt/d0", "l1/l0 p99"):
+        assert any(line.startswith(ratio) and "x" in line for line in lines), result.stdout
+    for lateness in ("l0 p99", "l1 p99"):
+        assert any(line.startswith(lateness) for line in lines), result.stdout
+    # and in both lateness runs every scheduled event arrived, none before it was due by the
+    # database's clock
+    assert result.stdout.count("  early 0, missing 0, ") == 2, result.stdout

@@ -6,6 +6,7 @@ says it is due, never before, and promptly after a downtime."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta, timezone
@@ -22,11 +23,13 @@ from tests.helpers import envelope, rows, scalar, wait_until
 from tests.integration.support import running_relay
 from worker import Context, Router, outbox
 from worker.core.config import UnitOfWorkConfig
-from worker.core.unit_of_work import process
+from worker.core.unit_of_work import process, process_batch
 from worker.outbox import Event
 from worker.settings import Settings
 from worker.sql import outbox as outbox_sql
 from worker.sql.outbox import OUTBOX_CHANNEL, SCHEDULED_NOTICE
+from worker.telemetry import Telemetry
+from worker.transport.schedule import Schedule
 
 UNIT = UnitOfWorkConfig(exchange="events")
 LATER = timedelta(hours=1)
@@ -209,6 +212,25 @@ async def test_cancel_takes_back_an_event_that_is_due_but_not_published(
     assert await in_outbox(engine) == []
 
 
+async def test_cancel_takes_back_both_events_of_a_message_id_scheduled_and_due(
+    engine: AsyncEngine,
+) -> None:
+    # Given a message id scheduled for later and, under the same id, an event due at once that no
+    # relay has published (the tables' message ids are unique each, not together)
+    repeated = uuid.uuid4()
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated, delay=LATER)
+        await outbox.publish(conn, "a", {}, message_id=repeated)
+
+    # When it is cancelled
+    async with engine.begin() as conn:
+        assert await outbox.cancel(conn, repeated) is True
+
+    # Then neither is left to be published
+    assert await scheduled(engine) == {}
+    assert await in_outbox(engine) == []
+
+
 async def test_cancel_is_false_for_an_unknown_event(engine: AsyncEngine) -> None:
     async with engine.begin() as conn:
         assert await outbox.cancel(conn, uuid.uuid4()) is False
@@ -283,6 +305,64 @@ async def test_a_handler_cancels_events_of_this_call_and_of_earlier_transactions
     assert await scalar(engine, "SELECT count(*) FROM inbox") == 1
 
 
+def reminder_router(answers: list[bool], *, fail_after_cancel: bool = False) -> Router:
+    """``order.placed`` schedules the order's reminder (its message id derived from the order);
+    ``payment.received`` cancels it, recording the answer (with ``fail_after_cancel``, then
+    fails)."""
+    router = Router()
+    namespace = uuid.UUID("0d7e4f9a-3b1c-4e55-8a2d-6c9b1f0e7a34")
+
+    @router.handler("order.placed")
+    async def placed(body: dict[str, Any], ctx: Context) -> None:
+        ctx.publish(
+            "reminder.due", {}, message_id=uuid.uuid5(namespace, body["order"]), delay=LATER
+        )
+
+    @router.handler("payment.received")
+    async def settle(body: dict[str, Any], ctx: Context) -> None:
+        answers.append(await ctx.cancel(uuid.uuid5(namespace, body["order"])))
+        if fail_after_cancel:
+            raise ValueError("the payment is refused")
+
+    return router
+
+
+async def test_a_handler_cancels_an_event_another_message_of_its_transaction_published(
+    engine: AsyncEngine,
+) -> None:
+    # Given an order placed (its reminder scheduled) and paid (its reminder cancelled), delivered
+    # together so that one transaction handles both
+    answers: list[bool] = []
+    router = reminder_router(answers)
+    placed = envelope(router, "order.placed", {"order": "o-1"}, "placed-1")
+    paid = envelope(router, "payment.received", {"order": "o-1"}, "paid-1")
+
+    # When they are processed
+    await process_batch(engine, [placed, paid], UNIT)
+
+    # Then the cancel took the reminder back, as it would had they been handled one by one
+    assert answers == [True]
+    assert await scheduled(engine) == {}
+    assert await in_outbox(engine) == []
+
+
+async def test_a_cancel_by_a_handler_that_then_fails_leaves_its_batchmates_event(
+    engine: AsyncEngine,
+) -> None:
+    # Given an order placed and paid in one transaction, the payment's handler failing after
+    # it cancelled the reminder
+    answers: list[bool] = []
+    router = reminder_router(answers, fail_after_cancel=True)
+    placed = envelope(router, "order.placed", {"order": "o-2"}, "placed-2")
+    paid = envelope(router, "payment.received", {"order": "o-2"}, "paid-2")
+
+    # When they are processed
+    await process_batch(engine, [placed, paid], UNIT)
+
+    # Then the failed handler's cancel is undone with the rest of its work: the reminder waits
+    assert len(await scheduled(engine)) == 1
+
+
 # Ordering keys
 
 
@@ -354,6 +434,32 @@ async def test_a_cancel_in_flight_holds_its_key_so_a_later_event_cannot_overtake
     assert await in_outbox(engine) == [first, second]
 
 
+async def test_a_cancel_takes_no_ordering_lock_so_it_cannot_deadlock_with_a_producer(
+    engine: AsyncEngine,
+) -> None:
+    # Given a scheduled event of key B
+    async with engine.begin() as conn:
+        b_event = await outbox.publish(conn, "b", {}, ordering_key="B", delay=LATER)
+
+    # When one transaction cancels it and, while it is open, another publishes events of keys A
+    # and B (taking A's lock, then B's: a cancel holding B's would make it wait)
+    async with engine.connect() as canceller, engine.connect() as producer:
+        await canceller.begin()
+        assert await outbox.cancel(canceller, b_event) is True
+        await producer.begin()
+        both = [Event("a", {}, ordering_key="A"), Event("b", {}, ordering_key="B")]
+        await asyncio.wait_for(outbox.publish_many(producer, both), timeout=10)
+
+        # Then the producer waits for nothing of the canceller's, so the canceller publishing A
+        # next waits for the producer's commit instead of both waiting for each other
+        one = asyncio.create_task(outbox.publish(canceller, "a", {}, ordering_key="A"))
+        await producer.commit()
+        await asyncio.wait_for(one, timeout=10)
+        await canceller.commit()
+    assert len(await in_outbox(engine)) == 3
+    assert await scheduled(engine) == {}
+
+
 async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_producers_event(
     engine: AsyncEngine,
 ) -> None:
@@ -371,6 +477,58 @@ async def test_a_mover_leaves_a_key_a_producer_holds_and_moves_it_behind_the_pro
     # Then once the producer committed, the next mover moves K's event behind the producer's
     assert await move(engine) == 1
     assert [m for m in await in_outbox(engine) if m != free] == [appended, due]
+
+
+async def test_a_keys_due_events_a_producer_holds_do_not_hold_back_other_keys_due_after_them(
+    engine: AsyncEngine,
+) -> None:
+    # Given more of K's due events than a move takes, and after them an unkeyed due event, while
+    # a producer transaction holds K (not committed)
+    async with engine.begin() as conn:
+        ours = await outbox.publish_many(
+            conn, [Event("a", {}, ordering_key="K", delay=LATER) for _ in range(3)]
+        )
+        other = await outbox.publish(conn, "a", {}, delay=LATER)
+    await make_due(engine, *ours, ago=60)
+    await make_due(engine, other)
+    async with engine.begin() as producer:
+        await outbox.publish(producer, "a", {}, ordering_key="K")
+
+        # When a mover that takes 2 events a move runs meanwhile
+        moved = await move(engine, limit=2)
+
+        # Then it moves the other event, and leaves all of K's for the producer's commit
+        assert moved == 1
+        assert await in_outbox(engine) == [other]
+        assert set(await scheduled(engine)) == set(ours)
+
+
+async def test_a_move_leaves_scheduled_an_event_whose_message_id_entered_the_outbox_meanwhile(
+    engine: AsyncEngine, database_url: str
+) -> None:
+    # Given a due scheduled event and another, and an event of the first one's message id
+    # committed to the outbox after a mover chose them (it holds their rows)
+    repeated = uuid.uuid4()
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated, delay=LATER)
+        other = await outbox.publish(conn, "b", {}, delay=LATER)
+    await make_due(engine, repeated, other)
+    chosen = [row.id for row in await rows(engine, "SELECT id FROM outbox_scheduled ORDER BY id")]
+    async with engine.begin() as conn:
+        await outbox.publish(conn, "a", {}, message_id=repeated)
+
+    # When the mover moves what it chose
+    mover = await asyncpg.connect(database_url)
+    try:
+        async with mover.transaction():
+            moved = await mover.fetchval(outbox_sql.MOVE_DUE, chosen)
+    finally:
+        await mover.close()
+
+    # Then the other one moved, and the first waits, scheduled, for its namesake to be published
+    assert moved == 1
+    assert list(await scheduled(engine)) == [repeated]
+    assert sorted(map(str, await in_outbox(engine))) == sorted(map(str, [repeated, other]))
 
 
 # The relay
@@ -419,6 +577,42 @@ async def test_a_scheduled_event_does_not_hold_back_its_keys_events_due_before_i
         got = await arrived(capture, 2)
     assert [uuid.UUID(m.message_id or "") for m in got] == due
     assert list(await scheduled(engine)) == [waiting]
+
+
+async def test_a_notice_heard_while_a_move_runs_makes_the_relay_look_again_at_once(
+    settings: Settings, engine: AsyncEngine, database_url: str
+) -> None:
+    # Given a relay's schedule, polling hourly, and a due event whose move will wait for a
+    # producer transaction that is writing an event of its message id
+    schedule = Schedule(engine, batch=10, poll_interval=3600, telemetry=Telemetry())
+    repeated = await publish(engine, settings, 0, delay=LATER)
+    await make_due(engine, repeated)
+    producer = await asyncpg.connect(database_url)
+    try:
+        writing = producer.transaction()
+        await writing.start()
+        await outbox.publish(producer, "sched.1", {}, message_id=repeated)
+
+        # When the schedule moves, and while the move runs (waiting for that producer) a
+        # commit's "scheduled" notice is heard, then the producer rolls back
+        moving = asyncio.create_task(schedule.move_due())
+
+        async def the_move_waits() -> bool:
+            waiting = (
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+            )
+            return bool(await scalar(engine, waiting))
+
+        await wait_until(the_move_waits)
+        schedule.notice()
+        await writing.rollback()
+        assert await moving == 1
+    finally:
+        await producer.close()
+
+    # Then the relay looks again at once: the event that notice was about may be due soon
+    assert schedule.seconds_until_due() == 0
 
 
 async def test_a_relay_publishes_nothing_early_and_a_due_event_promptly(
@@ -476,3 +670,23 @@ async def test_a_keys_events_due_at_one_instant_arrive_in_the_order_scheduled(
     order = [uuid.UUID(m.message_id or "") for m in got]
     assert [m for m in order if m in ours] == ours
     assert set(order) == set(ours) | set(others)
+
+
+async def test_a_due_event_whose_message_id_waits_in_the_outbox_holds_up_nothing(
+    settings: Settings, engine: AsyncEngine, capture: AbstractQueue
+) -> None:
+    # Given an event scheduled with a message id, due, and an event of that message id due at once
+    # that no relay has published yet (outbox's message ids are unique), then another event
+    repeated = uuid.uuid4()
+    await publish(engine, settings, 0, message_id=repeated, delay=LATER)
+    await make_due(engine, repeated)
+    await publish(engine, settings, 1, message_id=repeated)
+    other = await publish(engine, settings, 2)
+
+    # When a relay runs, then every event is published: the scheduled one once its namesake has
+    # left the outbox (a mover inserting it beside its namesake would fail, and the relay with it)
+    async with running_relay(settings):
+        got = await arrived(capture, 3)
+    assert sorted(m.message_id or "" for m in got) == sorted(map(str, [repeated, repeated, other]))
+    assert [m.routing_key for m in got if m.message_id == str(repeated)] == ["sched.1", "sched.0"]
+    assert await scheduled(engine) == {}

@@ -167,3 +167,13 @@ def test_the_readme_links_only_to_files_that_exist() -> None:
     targets = re.findall(r"\]\((?!https?://|#)([^)#\s]+)(?:#[^)]*)?\)", readme)
     gone = sorted({t for t in targets if not (ROOT / t).exists()})
     assert not gone, f"the README links to files that do not exist: {gone}"
+
+
+def test_the_testing_page_shows_the_tested_example(site: Path) -> None:
+    """The testing page includes the inventory package's test file (a snippet whose ``--8<--``
+    line a formatter mangles is shown as that line instead of the file)."""
+    example = (INVENTORY / "tests" / "test_handlers.py").read_text()
+    first_test = next(line for line in example.splitlines() if line.startswith("async def test_"))
+    shown = page(site, "testing")
+    assert first_test in shown
+    assert "--8" not in shown

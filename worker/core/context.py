@@ -68,6 +68,12 @@ class Context(_Session):
     asyncpg: Any = None
     """The ``asyncpg.Connection`` under ``connection``, in the same transaction: statements sent on
     it skip SQLAlchemy's execution layer. Do not begin, commit or roll back on it."""
+    batchmates: Sequence[Context] = field(default=(), repr=False, compare=False)
+    """The contexts of the other messages handled in this transaction (and this one): an event
+    one of them recorded is not in the database yet, so ``cancel`` looks for it here."""
+    cancelled: list[uuid.UUID] = field(default_factory=list, repr=False, compare=False)
+    """Message ids of batchmates' events this handler cancelled: dropped at commit, unless this
+    handler's work is undone (``recorded``)."""
 
     @property
     def key(self) -> str:
@@ -130,13 +136,25 @@ class Context(_Session):
 
     async def cancel(self, message_id: uuid.UUID) -> bool:
         """Take back the unpublished event ``message_id`` in this transaction (as
-        ``worker.outbox.cancel``): one this handler published earlier in this transaction is
-        dropped before it is written; True if the event will now never be published."""
+        ``worker.outbox.cancel``): one this handler, or the handler of another message of this
+        transaction, published earlier in it is dropped before it is written; True if the event
+        will now never be published."""
         for position, message in enumerate(self.outbox):
             if message.message_id == message_id:
                 del self.outbox[position]
                 return True
+        if any(message_id in mate.cancelled for mate in self.batchmates):
+            return False
+        if any(m.message_id == message_id for mate in self.batchmates for m in mate.outbox):
+            self.cancelled.append(message_id)
+            return True
         return await outbox_sql.cancel(self.connection, message_id)
+
+
+def recorded(contexts: Sequence[Context]) -> list[OutboxMessage]:
+    """The events ``contexts`` recorded, in order, less those one of them cancelled."""
+    cancelled = {message_id for ctx in contexts for message_id in ctx.cancelled}
+    return [m for ctx in contexts for m in ctx.outbox if m.message_id not in cancelled]
 
 
 class Batch(_Session, Sequence[Context]):

@@ -11,6 +11,7 @@ and its timeout resolves it: ``worker.sql.waits`` says how.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,9 @@ from worker.faults import WORKFLOW_RESUMED_BEFORE_COMMIT, crash_point
 from worker.sql import waits
 
 log = logging.getLogger(__name__)
+
+RESUME_HEADER = "x-worker-resume"
+"""On the message a signal publishes to resume a workflow: the name of the wait it resolved."""
 
 
 class InvalidSignal(Rejected):
@@ -78,7 +82,11 @@ class Signal:
         for wait in resolved:
             if wait.timer_id is not None:
                 await ctx.cancel(wait.timer_id)
-            ctx.outbox.append(wait.resume)
+            ctx.outbox.append(
+                dataclasses.replace(
+                    wait.resume, headers={**wait.resume.headers, RESUME_HEADER: wait.name}
+                )
+            )
             log.info(
                 "signal %s %s resumes wait %s of workflow %s of %s",
                 self.routing_key,

@@ -33,7 +33,7 @@ from worker.core.claims import Settled, claim_all, settled_against
 from worker.core.config import UnitOfWorkConfig
 from worker.core.connection import HandlerConnection
 from worker.core.contention import TAKE_TURNS, Contention
-from worker.core.context import Batch, Context
+from worker.core.context import Batch, Context, recorded
 from worker.core.envelope import Envelope
 from worker.core.handler import Handler, HandlerKind
 from worker.core.outcomes import Outcome
@@ -97,13 +97,15 @@ async def process_batch(
         runnable = [e for e in firsts if claims[e.inbox_key] is None]
         handlers_conn = HandlerConnection(conn, driver)
         contexts = [Context(handlers_conn, e, config.exchange, asyncpg=driver) for e in runnable]
+        for ctx in contexts:
+            ctx.batchmates = contexts
         try:
             isolation = _Isolation(
                 handlers_conn, driver, config.contention, enabled=len(contexts) > 1
             )
             results = await isolation.run(contexts)
             done = [ctx for ctx in contexts if ctx.envelope.inbox_key not in isolation.culprits]
-            events = [m for ctx in done for m in ctx.outbox]
+            events = recorded(done)
             config.bound(deadline)  # the end of the batch, through its commit
             await finish_batch(
                 driver,
@@ -221,6 +223,7 @@ class _Isolation:
         self._standing = True
         for ctx in members:
             ctx.outbox.clear()
+            ctx.cancelled.clear()
             await ctx.close()
 
 

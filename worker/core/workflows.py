@@ -43,7 +43,7 @@ from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.events import Event, due
 from worker.core.outcomes import Outcome
-from worker.core.signals import correlation_text
+from worker.core.signals import RESUME_HEADER, correlation_text
 from worker.errors import Rejected, Retryable, WorkerError, handler_failed, is_transient
 from worker.faults import WORKFLOW_TIMEOUT_BEFORE_COMMIT, WORKFLOW_WAIT_REGISTERED, crash_point
 from worker.sql import inbox, outbox, waits
@@ -100,6 +100,7 @@ class Workflow:
         self.owner = owner
         self.outputs = dict(outputs)
         self._called: list[str] = []
+        self._running: str | None = None  # the step whose function runs now
 
     @property
     def key(self) -> str:
@@ -113,9 +114,17 @@ class Workflow:
 
     def _call(self, name: str) -> None:
         """Take ``name`` in the run's one namespace of steps and waits; a name used twice is an
-        error (it would replay the other's output)."""
+        error (it would replay the other's output), and so is a step or wait called while a step
+        runs (from its function: its transaction would wait forever on the workflow's row, which
+        the running step's transaction holds)."""
         if not isinstance(name, str) or not name:
             raise ValueError(f"a workflow step or wait needs a non-empty name, not {name!r}")
+        if self._running is not None:
+            # its transaction would wait on the row the running step's transaction holds
+            raise ValueError(
+                f"workflow step or wait {name!r} called while step {self._running!r} runs: "
+                "call steps and waits one after another from the workflow, not from a step"
+            )
         if name in self._called:
             raise ValueError(f"workflow step {name!r} is called twice")
         self._called.append(name)
@@ -139,6 +148,7 @@ class Workflow:
                 step=name,
                 asyncpg=driver,
             )
+            self._running = name
             try:
                 output = to_jsonable(await fn(ctx, *args))
                 await ctx.flush()
@@ -153,6 +163,7 @@ class Workflow:
                     lease=self.config.workflow_lease,
                 )
             finally:
+                self._running = None
                 await ctx.close()
             crash_point(BEFORE_COMMIT + name)
         crash_point(AFTER_STEP + name)
@@ -275,22 +286,54 @@ class Workflow:
             )
 
 
-async def _obsolete_timer(conn: AsyncConnection, envelope: Envelope) -> bool:
-    """Whether this delivery is the timer of a wait its signal resolved first: then the signal's
-    resume message carries the workflow on, and the timer, finding the workflow running, is
-    dropped (acked as a duplicate) instead of retried until a long run outlasts the retry chain.
-    Any other delivery of a running workflow may be what carries it on (a redelivery of the
-    owner's own), so it is retried."""
-    name = envelope.delivery.headers.get(TIMER_HEADER)
-    if not isinstance(name, str):
+def _resumed_wait(envelope: Envelope) -> str | None:
+    """The name of the wait this delivery resumes (it is a wait's timer, or the message its
+    signal published), or None for any other delivery."""
+    headers = envelope.delivery.headers
+    name = headers.get(TIMER_HEADER, headers.get(RESUME_HEADER))
+    return name if isinstance(name, str) else None
+
+
+def _forgotten(envelope: Envelope) -> bool:
+    """Whether this delivery, which just claimed its key anew, resumes a wait: then its
+    workflow's key is gone (a resume is published only once its workflow's key and wait are
+    committed, and such a key is deleted only by the janitor, completed or failed longer ago than
+    the retention). It is a late timer (a parked outbox row retried later) and is dropped with
+    its claim rolled back; running it would start the finished workflow over from its first
+    step."""
+    name = _resumed_wait(envelope)
+    if name is None:
         return False
-    state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
-    if state is None or state.outcome != waits.EVENT:
-        return False
-    log.info(
-        "timer of wait %s of workflow %s came after its signal, while the workflow runs: dropped",
+    log.warning(
+        "resume of wait %s of workflow %s of %s came after the workflow's key expired: dropped",
         name,
         envelope.key,
+        envelope.handler.name,
+    )
+    return True
+
+
+async def _obsolete_resume(conn: AsyncConnection, envelope: Envelope) -> bool:
+    """Whether this delivery resumes a wait that is resolved already (a wait's timer, or the
+    message its signal published) while the workflow runs: then the delivery running it replays
+    past that wait and carries it on, and this one is dropped (acked as a duplicate) instead of
+    retried until a long run outlasts the retry chain and it is parked, marking the running
+    workflow's key failed. This is the timer that came after its signal won, or a second copy of
+    a resume (a publish repeated, or the signal's resume after the timer, published before the
+    signal cancelled it, took the workflow over). Any other delivery of a running workflow may be
+    what carries it on (a redelivery of the owner's own), so it is retried, as is a resume of a
+    wait still open."""
+    name = _resumed_wait(envelope)
+    if name is None:
+        return False
+    state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
+    if state is None or state.outcome is None:
+        return False
+    log.info(
+        "resume of wait %s of workflow %s (resolved: %s) came while the workflow runs: dropped",
+        name,
+        envelope.key,
+        state.outcome,
     )
     return True
 
@@ -306,8 +349,11 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
     handler = envelope.handler
     owner = uuid.uuid4().hex
     lease = config.workflow_lease
-    async with engine.connect() as conn, conn.begin():
+    async with engine.connect() as conn, conn.begin() as transaction:
         existing = await claim(conn, envelope, owner=owner, lease=lease)
+        if existing is None and _forgotten(envelope):
+            await transaction.rollback()
+            return Outcome.DUPLICATE
         if existing is not None:
             if existing.status != "in_progress":
                 return duplicate(existing)
@@ -315,7 +361,7 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
                 conn, handler.name, envelope.key, owner=owner, lease=lease
             )
             if not taken:
-                if await _obsolete_timer(conn, envelope):
+                if await _obsolete_resume(conn, envelope):
                     return Outcome.DUPLICATE
                 raise WorkflowBusy(f"workflow {envelope.key!r} is running in another delivery")
         # a key claimed just now has no steps (they cascade with its inbox row)

@@ -178,22 +178,26 @@ async def record_failure(conn: Connection, claim: KeyClaim, *, error: str, attem
 CLEAR_FAILURE_OF_WORKFLOW = """
 UPDATE inbox
 SET status = 'in_progress', error = NULL, owner = NULL, lease_until = now()
-WHERE handler = $1 AND key = $2 AND status = 'failed' AND recovery_point IS NOT NULL
+WHERE handler = $1 AND key = $2 AND status = 'failed'
+  AND (recovery_point IS NOT NULL
+       OR EXISTS (SELECT FROM workflow_waits AS w WHERE w.handler = $1 AND w.key = $2))
 RETURNING key
 """
-"""A failed workflow with committed steps back to in progress, its lease expired."""
+"""A failed workflow with committed steps or waits back to in progress, its lease expired."""
 
 CLEAR_FAILURE = """
 DELETE FROM inbox WHERE handler = $1 AND key = $2 AND status = 'failed' RETURNING key
 """
-"""Forget a failed key that has no committed steps."""
+"""Forget a failed key that has no committed steps and no waits."""
 
 
 async def clear_failure(conn: Connection, handler: str, key: str) -> bool:
     """Forget that (handler, key) failed, so its next delivery runs; False if it had not.
 
-    A workflow that had committed steps goes back to in progress with its lease expired, so the
-    next delivery takes it over and resumes after its last committed step.
+    A workflow that had committed steps or registered waits goes back to in progress with its
+    lease expired, so the next delivery takes it over and resumes after its last committed step,
+    its waits resolved as they were (deleting the row would drop them with it: a wait whose
+    signal came would wait again for a signal that came already).
     """
     driver = await in_transaction(conn)
     if await driver.fetchval(CLEAR_FAILURE_OF_WORKFLOW, handler, key) is not None:

@@ -316,17 +316,10 @@ due at its ``due_at``, else ``due_in`` seconds after the transaction's start (``
 
 
 def scheduled_arrays(messages: Sequence[OutboxMessage]) -> list[list[Any]]:
-    """The eleven arrays ``APPEND_SCHEDULED`` takes, one element per message."""
+    """The eleven arrays ``APPEND_SCHEDULED`` takes: ``event_arrays``' nine, then each message's
+    ``due_in`` and ``due_at``."""
     return [
-        [m.message_id for m in messages],
-        [m.exchange for m in messages],
-        [m.routing_key for m in messages],
-        [m.body for m in messages],
-        [m.content_type for m in messages],
-        [json.dumps(to_jsonable(m.headers)) for m in messages],
-        [m.correlation_id for m in messages],
-        [m.causation_id for m in messages],
-        [m.ordering_key for m in messages],
+        *event_arrays(messages),
         [m.due_in for m in messages],
         [m.due_at for m in messages],
     ]
@@ -346,12 +339,16 @@ DUE_SCHEDULED = f"""
 SELECT s.id, s.ordering_key
 FROM outbox_scheduled AS s
 WHERE (SELECT pg_try_advisory_xact_lock({MOVER_LOCK_CLASS}, 0)) AND s.due_at <= now()
+  AND NOT EXISTS (SELECT * FROM outbox AS o WHERE o.message_id = s.message_id)
+  AND (s.ordering_key IS NULL OR s.ordering_key != ALL ($2::text[]))
 ORDER BY s.due_at, s.id
 LIMIT $1
 FOR UPDATE OF s SKIP LOCKED
 """
 """Lock up to ``$1`` due events, earliest first, if this transaction is the one mover (else
-none); their ids and ordering keys."""
+none), leaving those of the ordering keys in ``$2``; their ids and ordering keys. An event whose
+message id is still in ``outbox`` (an event of that id due at once, not yet published) waits
+until that one has left: ``outbox``'s message ids are unique."""
 
 TRY_ORDERING_LOCKS = f"""
 SELECT k.key
@@ -362,21 +359,43 @@ WHERE pg_try_advisory_xact_lock({ORDERING_LOCK_CLASS}, hashtext(k.key))
 held by a transaction appending events of its own is skipped (never waited for, so a mover and a
 producer cannot deadlock)."""
 
+BLOCKED_KEYS = """
+SELECT DISTINCT mine.ordering_key
+FROM outbox_scheduled AS mine
+WHERE mine.id = ANY($1::bigint[])
+  AND EXISTS (SELECT * FROM outbox_scheduled AS earlier
+              WHERE earlier.ordering_key = mine.ordering_key
+                AND (earlier.due_at, earlier.id) < (mine.due_at, mine.id)
+                AND earlier.id <> ALL ($1::bigint[]))
+"""
+"""Of the keyed scheduled events of the ids in ``$1``, the ordering keys with an earlier event
+outside ``$1`` (one ``DUE_SCHEDULED`` skipped: another transaction holds it, or its message id
+is still in ``outbox``): moving the key's later events would put them before it. One range scan
+of ``ix_outbox_scheduled_ordering_key_due_at_id`` per event."""
+
 MOVE_DUE = """
 WITH moved AS (
-    DELETE FROM outbox_scheduled WHERE id = ANY($1::bigint[])
-    RETURNING id, message_id, exchange, routing_key, body, content_type, headers,
-              correlation_id, causation_id, ordering_key, due_at
+    INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
+                        correlation_id, causation_id, ordering_key)
+    SELECT message_id, exchange, routing_key, body, content_type, headers,
+           correlation_id, causation_id, ordering_key
+    FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[])
+    ORDER BY due_at, id
+    ON CONFLICT (message_id) DO NOTHING
+    RETURNING message_id
+), removed AS (
+    DELETE FROM outbox_scheduled
+    WHERE id = ANY($1::bigint[]) AND message_id IN (SELECT moved.message_id FROM moved)
+    RETURNING id
 )
-INSERT INTO outbox (message_id, exchange, routing_key, body, content_type, headers,
-                    correlation_id, causation_id, ordering_key)
-SELECT message_id, exchange, routing_key, body, content_type, headers,
-       correlation_id, causation_id, ordering_key
-FROM moved
-ORDER BY due_at, id
+SELECT count(*)::int FROM removed
 """
 """Move the scheduled events of the ids in ``$1`` into ``outbox``, in due order: their outbox
-ids, and so their places in their keys' order, are given now."""
+ids, and so their places in their keys' order, are given now; how many moved. One whose message
+id an event committed to ``outbox`` since ``DUE_SCHEDULED`` looked has stays scheduled (a unique
+violation would fail every move, and the relay)."""
+
 
 NEXT_DUE_IN = """
 SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
@@ -386,20 +405,30 @@ SELECT extract(epoch FROM min(due_at) - now())::float8 FROM outbox_scheduled
 
 async def move_due(conn: Connection, limit: int) -> int:
     """Move up to ``limit`` due events from ``outbox_scheduled`` into ``outbox``, earliest first,
-    in ``conn``'s transaction; returns how many moved. A due event whose ordering key another
-    transaction holds (appending events of that key) is left for the next call, and none are
-    moved while another transaction is moving (one mover at a time, by advisory lock): then
-    ``next_due_in`` is negative."""
+    in ``conn``'s transaction; returns how many moved. None are moved while another transaction
+    is moving (one mover at a time, by advisory lock): then ``next_due_in`` is negative.
+
+    An ordering key's due events are left for a later call, whole, while another transaction
+    holds the key (appending events of its own) or holds one of them (cancelling it: a rolled
+    back cancel would leave that event behind the key's later ones) (``BLOCKED_KEYS``). When
+    every event chosen is of such a key, the next ones of the other keys are chosen: those keys'
+    events never hold back the rest."""
     driver = await in_transaction(conn)
-    due = await driver.fetch(DUE_SCHEDULED, limit)
-    if not due:
-        return 0
-    keys = sorted({key for _, key in due if key is not None})
-    held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
-    ids = [row_id for row_id, key in due if key is None or key in held]
-    if ids:
-        await driver.execute(MOVE_DUE, ids)
-    return len(ids)
+    skipped: list[str] = []
+    while True:
+        due = await driver.fetch(DUE_SCHEDULED, limit, skipped)
+        if not due:
+            return 0
+        keys = sorted({key for _, key in due if key is not None})
+        held = {key for (key,) in await driver.fetch(TRY_ORDERING_LOCKS, keys)} if keys else set()
+        chosen = [(row_id, key) for row_id, key in due if key is None or key in held]
+        keyed = [row_id for row_id, key in chosen if key is not None]
+        blocked = {key for (key,) in await driver.fetch(BLOCKED_KEYS, keyed)} if keyed else set()
+        ids = [row_id for row_id, key in chosen if key is None or key not in blocked]
+        if ids:
+            moved: int = await driver.fetchval(MOVE_DUE, ids)
+            return moved
+        skipped += keys  # all held or blocked: each round leaves at least one more key
 
 
 async def next_due_in(conn: Connection) -> float | None:
@@ -422,9 +451,6 @@ async def bring_forward(conn: Connection, seconds: float) -> None:
     await driver.execute(BRING_FORWARD, seconds)
 
 
-SCHEDULED_ORDERING_KEY = "SELECT ordering_key FROM outbox_scheduled WHERE message_id = $1"
-"""The ordering key of the scheduled event of message id ``$1`` (NULL: none, or no such event)."""
-
 CANCEL_SCHEDULED = "DELETE FROM outbox_scheduled WHERE message_id = $1 RETURNING true"
 """Delete the scheduled event of message id ``$1``; a row when there was one."""
 
@@ -438,17 +464,17 @@ async def cancel(conn: Connection, message_id: uuid.UUID) -> bool:
     scheduled or waiting in ``outbox``, so that once this transaction commits it is never
     published; False if it was published already, parked, or never existed.
 
-    Scheduled table first: an event a relay moves meanwhile is found in ``outbox`` by the next
-    statement (a new snapshot under READ COMMITTED). A scheduled event's ordering key is locked
-    first, as a producer of that key locks it, so that while this transaction is open no mover
-    moves the key's later events past it (it would, should the cancel be rolled back).
+    Scheduled table first, then ``outbox`` (also when it was scheduled: the two tables' message
+    ids are unique each, so an event published at once may share its id): an event a relay moves
+    meanwhile is found in ``outbox`` by the next statement (a new snapshot under READ
+    COMMITTED). No ordering lock is taken: while this transaction holds a scheduled event's
+    row, the mover moves none of its key's later events (``BLOCKED_KEYS``), in case the cancel
+    is rolled back.
     """
     if not isinstance(message_id, uuid.UUID):
         raise TypeError(f"message_id must be a uuid.UUID, not {type(message_id).__name__}")
     driver = await in_transaction(conn)
-    key = await driver.fetchval(SCHEDULED_ORDERING_KEY, message_id)
-    if key is not None:
-        await lock_ordering_keys(driver, [key], notify=False)
-    if await driver.fetchval(CANCEL_SCHEDULED, message_id):
-        return True
-    return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    if not await driver.fetchval(CANCEL_SCHEDULED, message_id):
+        return bool(await driver.fetchval(CANCEL_DUE, message_id))
+    await driver.fetchval(CANCEL_DUE, message_id)  # an event due at once may share its id
+    return True

@@ -144,19 +144,28 @@ workflow_signals = Table(
     Index(None, "received_at"),
 )
 
+
+def _event_columns() -> list[Column[Any]]:
+    """The columns of an event to publish, as ``outbox`` and ``outbox_scheduled`` both hold it
+    (new objects each call: a column belongs to one table)."""
+    return [
+        Column("message_id", Uuid, nullable=False, unique=True),
+        Column("exchange", Text, nullable=False),
+        Column("routing_key", Text, nullable=False),
+        Column("body", LargeBinary, nullable=False),
+        Column("content_type", Text, nullable=False),
+        Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+        Column("correlation_id", Text, nullable=True),
+        Column("causation_id", Text, nullable=True),
+        Column("ordering_key", Text, nullable=True),
+    ]
+
+
 outbox = Table(
     "outbox",
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column("message_id", Uuid, nullable=False, unique=True),
-    Column("exchange", Text, nullable=False),
-    Column("routing_key", Text, nullable=False),
-    Column("body", LargeBinary, nullable=False),
-    Column("content_type", Text, nullable=False),
-    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("correlation_id", Text, nullable=True),
-    Column("causation_id", Text, nullable=True),
-    Column("ordering_key", Text, nullable=True),
+    *_event_columns(),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("last_error", Text, nullable=True),
     Column("available_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
@@ -174,18 +183,17 @@ outbox_scheduled = Table(
     "outbox_scheduled",
     metadata,
     Column("id", BigInteger, Identity(always=True), primary_key=True),
-    Column("message_id", Uuid, nullable=False, unique=True),
-    Column("exchange", Text, nullable=False),
-    Column("routing_key", Text, nullable=False),
-    Column("body", LargeBinary, nullable=False),
-    Column("content_type", Text, nullable=False),
-    Column("headers", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
-    Column("correlation_id", Text, nullable=True),
-    Column("causation_id", Text, nullable=True),
-    Column("ordering_key", Text, nullable=True),
+    *_event_columns(),
     Column("due_at", DateTime(timezone=True), nullable=False, comment="by the database's clock"),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "due_at", "id"),
+    Index(
+        None,
+        "ordering_key",
+        "due_at",
+        "id",
+        postgresql_where=text("ordering_key IS NOT NULL"),
+    ),
 )
 
 outbox_parked = Table(

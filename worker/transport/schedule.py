@@ -39,10 +39,13 @@ class Schedule:
         self.telemetry = telemetry
         self._next = 0.0
         """Loop time of the next look; 0: look now."""
+        self._notices = 0
+        """How many notices were heard: one heard while a move runs makes the next look now."""
 
     def notice(self) -> None:
         """New events were scheduled (a NOTIFY ``scheduled``): the earliest may be due sooner."""
         self._next = 0.0
+        self._notices += 1
 
     def seconds_until_due(self) -> float:
         """How long the relay may sleep before it should look again (0: now)."""
@@ -54,6 +57,7 @@ class Schedule:
         now = asyncio.get_running_loop().time()
         if now < self._next:
             return 0
+        notices = self._notices
         async with self.engine.connect() as conn, conn.begin():
             moved = await outbox.move_due(conn, self.batch)
             if moved:
@@ -68,4 +72,6 @@ class Schedule:
             self._next = now + self.poll_interval
         else:
             self._next = now + min(max(due_in, MIN_GAP), self.poll_interval)
+        if self._notices != notices:  # the database may have answered before that commit
+            self._next = now
         return moved

@@ -6,8 +6,9 @@ Create Date: 2026-11-26
 
 Events published with ``delay=`` or ``at=`` wait in ``outbox_scheduled`` until the database's
 clock says they are due; a relay then moves them into ``outbox`` (earliest first, through the
-index on ``(due_at, id)``) and publishes them like any other event. Future events never enter
-``outbox``, so the relay's claim does not scan them.
+index on ``(due_at, id)``; an ordering key's events through ``(ordering_key, due_at, id)``) and
+publishes them like any other event. Future events never enter ``outbox``, so the relay's claim
+does not scan them.
 """
 
 from collections.abc import Sequence
@@ -58,8 +59,20 @@ def upgrade() -> None:
     op.create_index(
         op.f("ix_outbox_scheduled_due_at_id"), "outbox_scheduled", ["due_at", "id"], unique=False
     )
+    op.create_index(
+        op.f("ix_outbox_scheduled_ordering_key_due_at_id"),
+        "outbox_scheduled",
+        ["ordering_key", "due_at", "id"],
+        unique=False,
+        postgresql_where=sa.text("ordering_key IS NOT NULL"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_index(
+        op.f("ix_outbox_scheduled_ordering_key_due_at_id"),
+        table_name="outbox_scheduled",
+        postgresql_where=sa.text("ordering_key IS NOT NULL"),
+    )
     op.drop_index(op.f("ix_outbox_scheduled_due_at_id"), table_name="outbox_scheduled")
     op.drop_table("outbox_scheduled")
