@@ -277,7 +277,9 @@ async def test_outbox_list_shows_the_parked_rows(settings: Settings, engine: Asy
         "created_at",
         "parked_at",
         "ordering_key",
+        "timer",
     }
+    assert row["timer"] is None
 
 
 async def test_outbox_retry_moves_a_parked_row_back_under_its_message_id(
