@@ -247,11 +247,12 @@ ELSEWHERE = {
     faults.WORKFLOW_WAIT_REGISTERED,
     faults.WORKFLOW_TIMEOUT_BEFORE_COMMIT,
     faults.WORKFLOW_RESUMED_BEFORE_COMMIT,
+    faults.SCHEDULE_BEFORE_COMMIT,
 }
 """Crash points this load never reaches, killed in their own tests (``test_isolation.py``,
-``test_workflow_waits.py``): a rollback to a savepoint needs a failing message in a batch,
-parking needs a message that fails for good, a wait needs a workflow that waits, and this load
-has none of them."""
+``test_workflow_waits.py``, ``test_scheduled_crashes.py``): a rollback to a savepoint needs a
+failing message in a batch, parking needs a message that fails for good, a wait needs a workflow
+that waits, a move needs a scheduled event, and this load has none of them."""
 
 
 def test_every_fixed_crash_point_has_its_kill_test() -> None:
