@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import signal
 from collections.abc import Iterable
 
 import aio_pika
@@ -61,3 +62,15 @@ async def count_rows(engine: AsyncEngine, table: str) -> int:
     """The rows of ``table``, counted."""
     async with engine.connect() as conn:
         return int((await conn.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one())
+
+
+async def stop_process(process: asyncio.subprocess.Process, seconds: float) -> None:
+    """SIGTERM, then SIGKILL if it is still running after ``seconds``; nothing if it ended."""
+    if process.returncode is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), seconds)
+    except TimeoutError:
+        process.kill()
+        await process.wait()

@@ -53,7 +53,6 @@ import itertools
 import json
 import logging
 import os
-import signal
 import statistics
 import sys
 import tempfile
@@ -68,7 +67,7 @@ import aio_pika
 from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from benchmarks.common import reset_tables
+from benchmarks.common import reset_tables, stop_process
 from benchmarks.processes import ROOT
 from benchmarks.relay_latency import (
     OUT_KEY,
@@ -381,13 +380,7 @@ async def relay_process(bench: Bench) -> AsyncIterator[asyncio.subprocess.Proces
             yield process
             check_running(process, errors)
         finally:
-            if process.returncode is None:
-                process.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(process.wait(), STOP_SECONDS)
-                except TimeoutError:
-                    process.kill()
-                    await process.wait()
+            await stop_process(process, STOP_SECONDS)
 
 
 def check_running(process: asyncio.subprocess.Process, errors: IO[bytes]) -> None:

@@ -15,13 +15,14 @@ import contextlib
 import os
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.common import stop_process
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -129,18 +130,6 @@ def _tail(log: Path, lines: int = 20) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
-    """SIGTERM, then SIGKILL if it is still running after ``STOP_SECONDS``."""
-    if process.returncode is not None:
-        return
-    process.send_signal(signal.SIGTERM)
-    try:
-        await asyncio.wait_for(process.wait(), STOP_SECONDS)
-    except TimeoutError:
-        process.kill()
-        await process.wait()
-
-
 @contextlib.asynccontextmanager
 async def running_peer(python: Path, names: PeerNames) -> AsyncIterator[asyncio.subprocess.Process]:
     """The peer service running on ``names``, from its ``ready`` line until the block ends;
@@ -165,4 +154,4 @@ async def running_peer(python: Path, names: PeerNames) -> AsyncIterator[asyncio.
             await _until_ready(process, log)
             yield process
         finally:
-            await _stop(process)
+            await stop_process(process, STOP_SECONDS)
