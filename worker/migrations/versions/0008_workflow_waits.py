@@ -23,6 +23,12 @@ depends_on: str | Sequence[str] | None = None
 
 
 def upgrade() -> None:
+    _create_workflow_waits()
+    _create_workflow_signals()
+
+
+def _create_workflow_waits() -> None:
+    """One row per wait of a workflow; its open ones indexed by correlation and deadline."""
     op.create_table(
         "workflow_waits",
         sa.Column("handler", sa.Text(), nullable=False),
@@ -97,6 +103,10 @@ def upgrade() -> None:
         unique=False,
         postgresql_where=sa.text("outcome IS NULL"),
     )
+
+
+def _create_workflow_signals() -> None:
+    """Signals that came before any wait for them, kept for the wait registered later."""
     op.create_table(
         "workflow_signals",
         sa.Column("id", sa.BigInteger(), sa.Identity(always=True), nullable=False),
