@@ -38,6 +38,8 @@ def test_upgrade_from_empty_matches_the_metadata_and_downgrade_removes_it(
     assert inspect_database(empty_database, schema_diff(payments_metadata)) == []
     assert inspect_database(empty_database, table_names) == {
         "inbox",
+        "process_samples",
+        "console_audit",
         "outbox",
         "outbox_parked",
         "outbox_scheduled",
@@ -77,5 +79,7 @@ def test_the_worker_history_alone_leaves_handler_tables_to_their_own(
         "workflow_signals",
         "ingress_requests",
         "dead_letters",
+        "process_samples",
+        "console_audit",
         "alembic_version",
     }

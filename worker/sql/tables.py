@@ -11,7 +11,11 @@ relay gave up on after its last attempt, for an operator to inspect and retry;
 ``ingress_requests`` holds one row per (handler, client, idempotency key) that the HTTP ingress
 accepted, with the key its handler runs under, its payload's fingerprint and the message id of
 the event it appended; ``dead_letters`` holds one row per copy the worker itself parked in the
-dead-letter queue, the provenance ``worker dlq`` checks before it replays one.
+dead-letter queue, the provenance ``worker dlq`` checks before it replays one;
+``process_samples`` holds what each running worker and relay process reports of itself every few
+seconds (its state, its counters, the backlogs it sees), kept for ``SAMPLES_KEPT``: what ``worker
+status`` and the console show of every process; ``console_audit`` one row per action taken in the
+console (who, what, when, how many).
 """
 
 from __future__ import annotations
@@ -250,6 +254,40 @@ dead_letters = Table(
     Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
     Index(None, "parked_at"),
     Index(None, "handler", "key"),
+)
+
+
+process_samples = Table(
+    "process_samples",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("process", Text, nullable=False, comment="host:pid:start, unique per process run"),
+    Column("role", Text, nullable=False, comment="worker or relay"),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+    Column("started_at", DateTime(timezone=True), nullable=False),
+    Column("sampled_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("state", Text, nullable=False, comment="consuming, paused, throttled, draining, ..."),
+    Column("reason", Text, nullable=True, comment="why it is paused, when it is"),
+    Column("counters", JSONB, nullable=False, comment="its counters since it started"),
+    Column("gauges", JSONB, nullable=False, comment="the backlogs it saw"),
+    Index(None, "sampled_at"),
+    Index(None, "process", "sampled_at"),
+)
+
+console_audit = Table(
+    "console_audit",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column("actor", Text, nullable=False, comment="the console user's name"),
+    Column("role", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("target", Text, nullable=False, comment="what it acted on, as the user chose it"),
+    Column("count", Integer, nullable=False, comment="how many it acted on"),
+    Column("outcome", Text, nullable=False),
+    Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Index(None, "at"),
 )
 
 
