@@ -12,7 +12,11 @@ unverified copy only when asked for them (``--reason unverified``) or for everyt
 
 ``browse``, ``replaying`` and ``purging`` take the DLQ one message at a time, unacked, and hold no
 body but the current one, so memory stays bounded whatever the queue holds; a message they leave
-returns to its place when their channel closes, so the queue's order never changes. A replayed
+returns to its place when their channel closes, so the queue's order never changes. Given a
+``Scan``, they take no more than its limit of messages (matching or not) and say whether the
+queue held more: what a page of the console, which must answer in seconds, reads and acts on.
+``grouped`` sums a scan up by reason and handler (``Group``), and ``tally`` sums up what a bulk
+action did, for the CLI's summary and the console's preview alike. A replayed
 message's failed state is cleared first (only when its record says the worker recorded it), then
 it is sent to the work queue and acked in the DLQ after the confirm (a purged one's record is
 deleted; a replayed one's stays until it expires); a copy parked longer ago than
@@ -27,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.core.envelope import Delivery, key_or_none
@@ -253,35 +259,60 @@ def _broker_death_time(headers: Mapping[str, Any]) -> datetime | None:
     return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
 
 
+NO_HANDLER = "-"
+"""What ``--handler`` takes (and ``worker dlq`` shows) for a copy without a handler: one the
+worker parked before it knew the handler (no handler for its routing key, say), or an unverified
+copy (its handler header is a claim, never matched)."""
+
+
 @dataclass(frozen=True)
 class Selection:
     """Which parked messages a ``worker dlq`` command takes: those matching every filter given
     (None matches anything). ``reason`` ``unverified`` selects the copies without the worker's
-    record; ``handler`` matches only copies with one (an unverified copy's handler is a claim)."""
+    record; ``handler`` matches the record's handler (``NO_HANDLER`` for none: an unverified
+    copy's handler header is a claim and never matches); ``ids`` the copies whose ``Parked.id``
+    is one of them (the boxes ticked on a page, or ``worker dlq show``'s one)."""
 
     key: str | None = None
     reason: str | None = None
     handler: str | None = None
-    id: str | None = None
+    ids: frozenset[str] | None = None
 
     def matches(self, parked: Parked) -> bool:
-        return all(
-            wanted is None or wanted == found
-            for wanted, found in (
-                (self.key, parked.key),
-                (self.reason, parked.reason),
-                (self.handler, parked.handler),
-                (self.id, parked.id),
-            )
+        return (
+            (self.key is None or self.key == parked.key)
+            and (self.reason is None or self.reason == parked.reason)
+            and (self.handler is None or self.handler == (parked.handler or NO_HANDLER))
+            and (self.ids is None or parked.id in self.ids)
         )
 
     @property
     def filters(self) -> bool:
         """True when at least one filter is set."""
-        return any(value is not None for value in (self.key, self.reason, self.handler, self.id))
+        return any(value is not None for value in (self.key, self.reason, self.handler, self.ids))
+
+    def describe(self) -> str:
+        """The selection as a person chose it: ``reason=… handler=… key=…``, ``ids=…`` (sorted),
+        or ``everything``; for a command's summary, a page's title and the audit's target."""
+        named = (("reason", self.reason), ("handler", self.handler), ("key", self.key))
+        said = [f"{name}={value}" for name, value in named if value is not None]
+        if self.ids is not None:
+            said.append(f"ids={','.join(sorted(self.ids))}")
+        return " ".join(said) or "everything"
 
 
 EVERYTHING = Selection()
+
+
+@dataclass
+class Scan:
+    """How many messages a sweep may take from the queue, matching its selection or not, and what
+    it found: ``taken`` messages, and ``more`` when it stopped at ``limit`` with the queue holding
+    more (then what it showed or did covers only the first ``limit``)."""
+
+    limit: int
+    taken: int = 0
+    more: bool = False
 
 
 @dataclass(frozen=True)
@@ -327,9 +358,11 @@ async def _sweep(
     selection: Selection,
     limit: int | None,
     parked_before: datetime | None = None,
+    scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
     """Take the DLQ's messages one at a time, oldest first, and ``act`` on each one that
-    ``selection`` matches, until ``limit`` are done or the queue has none left to give.
+    ``selection`` matches, until ``limit`` are done, ``scan``'s limit are taken or the queue has
+    none left to give.
 
     Every message is taken unacked on a channel of its own: one the action does not ack returns
     to its place in the queue when the channel closes. Only the current message's body is held;
@@ -343,9 +376,14 @@ async def _sweep(
         queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
         done = 0
         while limit is None or done < limit:
+            if scan is not None and scan.taken >= scan.limit:
+                scan.more = await queue.get(no_ack=False, fail=False) is not None
+                break
             message = await queue.get(no_ack=False, fail=False)
             if message is None:
                 break
+            if scan is not None:
+                scan.taken += 1
             parked = await _parked(engine, settings, message)
             if not selection.matches(parked) or _parked_later(parked, parked_before):
                 continue
@@ -371,11 +409,14 @@ def browse(
     *,
     selection: Selection = EVERYTHING,
     limit: int | None = None,
+    scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
-    """The parked messages ``selection`` matches (the first ``limit``), oldest first, one at a
-    time; they all stay where they are. Close the iterator (``contextlib.aclosing``) when
-    leaving it early."""
-    return _sweep(connection, engine, settings, _left_parked, selection=selection, limit=limit)
+    """The parked messages ``selection`` matches (the first ``limit``, among the first
+    ``scan.limit`` of the queue), oldest first, one at a time; they all stay where they are.
+    Close the iterator (``contextlib.aclosing``) when leaving it early."""
+    return _sweep(
+        connection, engine, settings, _left_parked, selection=selection, limit=limit, scan=scan
+    )
 
 
 async def list_parked(
@@ -385,10 +426,11 @@ async def list_parked(
     *,
     selection: Selection = EVERYTHING,
     limit: int | None = None,
+    scan: Scan | None = None,
 ) -> list[Parked]:
     """``browse``'s messages as a list (their headers only), left where they are."""
     async with contextlib.aclosing(
-        browse(connection, engine, settings, selection=selection, limit=limit)
+        browse(connection, engine, settings, selection=selection, limit=limit, scan=scan)
     ) as found:
         return [outcome.parked async for outcome in found]
 
@@ -405,10 +447,17 @@ class Shown:
 
 
 async def find(
-    connection: AbstractRobustConnection, engine: AsyncEngine, settings: Settings, copy_id: str
+    connection: AbstractRobustConnection,
+    engine: AsyncEngine,
+    settings: Settings,
+    copy_id: str,
+    *,
+    limit: int | None = None,
+    scan: Scan | None = None,
 ) -> list[Shown]:
     """The parked messages whose ``Parked.id`` is ``copy_id`` (one, unless copies share a body
-    and none has a record), in full; they all stay where they are."""
+    and none has a record; the first ``limit`` of them), in full; they all stay where they
+    are."""
     found: list[Shown] = []
 
     async def keep(
@@ -426,7 +475,15 @@ async def find(
         }
         found.append(Shown(parked, properties, dict(message.headers or {}), message.body))
 
-    sweep = _sweep(connection, engine, settings, keep, selection=Selection(id=copy_id), limit=None)
+    sweep = _sweep(
+        connection,
+        engine,
+        settings,
+        keep,
+        selection=Selection(ids=frozenset({copy_id})),
+        limit=limit,
+        scan=scan,
+    )
     async with contextlib.aclosing(sweep) as outcomes:
         async for _ in outcomes:
             pass
@@ -442,9 +499,13 @@ def replaying(
     limit: int | None = None,
     force: bool = False,
     dry_run: bool = False,
+    parked_before: datetime | None = None,
+    scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
-    """Send parked messages that ``selection`` matches (at most ``limit``) back to the work
-    queue, one at a time, and say what happened to each.
+    """Send parked messages that ``selection`` matches (at most ``limit``, among the first
+    ``scan.limit`` of the queue) back to the work queue, one at a time, and say what happened
+    to each. Messages parked after it began (or after ``parked_before``: when a preview of it
+    was made) are left.
 
     For each copy the worker parked: if its record says its key was recorded as failed, that
     failed state (and no other) is cleared (committed); the copy is published to the work queue
@@ -477,8 +538,14 @@ def replaying(
         send_back,
         selection=selection,
         limit=limit,
-        parked_before=started,
+        parked_before=_earlier(started, parked_before),
+        scan=scan,
     )
+
+
+def _earlier(moment: datetime, other: datetime | None) -> datetime:
+    """The earlier of ``moment`` and ``other`` (``moment`` when ``other`` is None)."""
+    return moment if other is None else min(moment, other)
 
 
 def _unverified(parked: Parked) -> str | None:
@@ -568,14 +635,19 @@ def purging(
     selection: Selection,
     limit: int | None = None,
     dry_run: bool = False,
+    parked_before: datetime | None = None,
+    scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
-    """Delete (ack) the parked messages that ``selection`` matches, at most ``limit``, one at a
-    time, and their records; the others stay in their order. Messages parked after the purge
-    began are left. An unverified copy is deleted only when ``selection`` asks for unverified
-    copies or for everything (no filter): a claim in its headers never selects it for deletion.
-    ``dry_run`` changes nothing."""
+    """Delete (ack) the parked messages that ``selection`` matches, at most ``limit`` (among
+    the first ``scan.limit`` of the queue), one at a time, and their records; the others stay in
+    their order. Messages parked after the purge began (or after ``parked_before``) are left.
+    An unverified copy is deleted only when ``selection`` asks for unverified copies, for
+    everything (no filter) or for it by its id (its body's digest, which the worker computed): a
+    claim in its headers never selects it for deletion. ``dry_run`` changes nothing."""
     started = datetime.now(UTC)
-    unverified_too = selection.reason == UNVERIFIED or not selection.filters
+    unverified_too = (
+        selection.reason == UNVERIFIED or not selection.filters or selection.ids is not None
+    )
 
     async def delete(
         channel: AbstractChannel, message: AbstractIncomingMessage, parked: Parked
@@ -597,5 +669,160 @@ def purging(
         delete,
         selection=selection,
         limit=limit,
-        parked_before=started,
+        parked_before=_earlier(started, parked_before),
+        scan=scan,
     )
+
+
+async def depth(connection: AbstractRobustConnection, settings: Settings) -> int | None:
+    """Messages in the DLQ now, or None when it does not exist (it is never declared here): a
+    passive declare on a channel of its own (a robust channel that declared the queue before
+    answers from its cache), which a missing queue closes."""
+    channel = await connection.channel()
+    try:
+        queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
+    except ChannelNotFoundEntity:
+        return None
+    finally:
+        if not channel.is_closed:
+            await channel.close()
+    return queue.declaration_result.message_count or 0
+
+
+SCAN_LIMIT = 10_000
+"""Messages a view of the DLQ (its groups, a page of its messages, a preview, the action it
+confirms) takes from the queue at most: at about a millisecond each, ten seconds."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """The parked messages of one reason and handler (``NO_HANDLER`` for none): how many, when
+    the first and the last of them were parked (None when none says), and an example of their
+    error (for unverified copies: why one is unverified)."""
+
+    reason: str
+    handler: str
+    count: int
+    first: datetime | None
+    last: datetime | None
+    example: str
+
+    @property
+    def selection(self) -> Selection:
+        """The selection of this group's messages."""
+        return Selection(reason=self.reason, handler=self.handler)
+
+
+def _earliest(*moments: datetime | None) -> datetime | None:
+    known = [moment for moment in moments if moment is not None]
+    return min(known) if known else None
+
+
+def _latest(*moments: datetime | None) -> datetime | None:
+    known = [moment for moment in moments if moment is not None]
+    return max(known) if known else None
+
+
+class Grouping:
+    """Parked messages summed up by reason and handler as they are read, one at a time: it
+    holds a group's count, times and example, never its messages (and the groups are few: the
+    reasons are a closed set, a handler is one the worker recorded, or none)."""
+
+    def __init__(self) -> None:
+        self._groups: dict[tuple[str, str], Group] = {}
+
+    def add(self, parked: Parked) -> None:
+        """Count ``parked`` in its group."""
+        reason, handler = parked.reason, parked.handler or NO_HANDLER
+        moment = parked.dead_lettered_at
+        example = parked.error if parked.verified else f"unverified: {parked.unverified_because}"
+        found = self._groups.get((reason, handler))
+        if found is None:
+            self._groups[(reason, handler)] = Group(reason, handler, 1, moment, moment, example)
+            return
+        self._groups[(reason, handler)] = Group(
+            reason,
+            handler,
+            found.count + 1,
+            _earliest(found.first, moment),
+            _latest(found.last, moment),
+            found.example or example,
+        )
+
+    def groups(self) -> list[Group]:
+        """The groups, the largest first (then by reason and handler)."""
+        return sorted(self._groups.values(), key=lambda g: (-g.count, g.reason, g.handler))
+
+
+@dataclass(frozen=True)
+class Groups:
+    """What a bounded scan of the DLQ found, by reason and handler: the groups, how many
+    messages it took from the queue (``scanned``), and ``more`` when the queue held more than
+    it took (then the counts are of the first ``scanned`` only)."""
+
+    groups: list[Group]
+    scanned: int
+    more: bool
+
+    @property
+    def count(self) -> int:
+        """The messages in the groups."""
+        return sum(group.count for group in self.groups)
+
+
+async def grouped(
+    connection: AbstractRobustConnection,
+    engine: AsyncEngine,
+    settings: Settings,
+    *,
+    selection: Selection = EVERYTHING,
+    scan_limit: int = SCAN_LIMIT,
+) -> Groups:
+    """The parked messages ``selection`` matches among the first ``scan_limit`` of the queue,
+    by reason and handler; they all stay where they are."""
+    scan = Scan(scan_limit)
+    grouping = Grouping()
+    found = browse(connection, engine, settings, selection=selection, scan=scan)
+    async with contextlib.aclosing(found) as outcomes:
+        async for outcome in outcomes:
+            grouping.add(outcome.parked)
+    return Groups(grouping.groups(), scan.taken, scan.more)
+
+
+@dataclass
+class Tally:
+    """What a bulk action did (in a dry run: would do), summed up as it goes: the messages done
+    by (reason, handler) and the messages refused by why. ``worker dlq``'s summary and the
+    console's preview and result are both this."""
+
+    done: Counter[tuple[str, str]] = field(default_factory=Counter)
+    refused: Counter[str] = field(default_factory=Counter)
+
+    def add(self, outcome: Outcome) -> None:
+        """Count one outcome."""
+        if outcome.done:
+            self.done[(outcome.parked.reason, outcome.parked.handler or NO_HANDLER)] += 1
+        else:
+            self.refused[str(outcome.refused)] += 1
+
+    @property
+    def done_count(self) -> int:
+        return self.done.total()
+
+    @property
+    def refused_count(self) -> int:
+        return self.refused.total()
+
+    async def carry_out(
+        self,
+        outcomes: AsyncGenerator[Outcome, None],
+        each: Callable[[Outcome], None] | None = None,
+    ) -> Tally:
+        """Run the bulk action ``outcomes`` to its end, counting each outcome (and calling
+        ``each`` with it) as it happens; should it fail, what it did before stays counted."""
+        async with contextlib.aclosing(outcomes) as every:
+            async for outcome in every:
+                self.add(outcome)
+                if each is not None:
+                    each(outcome)
+        return self

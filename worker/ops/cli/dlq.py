@@ -43,7 +43,8 @@ def _filters(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--handler",
-        help="only the messages of this handler (its name: its routing key unless it sets name=)",
+        help="only the messages of this handler (its name: its routing key unless it sets "
+        "name=; `-` for the messages without one)",
     )
 
 
@@ -366,23 +367,23 @@ async def _report(
     outcomes: AsyncGenerator[Outcome, None], done: str, *, verbose: bool
 ) -> tuple[int, int]:
     """Carry out a bulk ``dlq`` action and print what it did, summed up by reason and handler
-    (with ``verbose``, a line per message as it happens too); returns (done, refused)."""
-    done_by: Counter[str] = Counter()
-    refused_by: Counter[str] = Counter()
-    async with contextlib.aclosing(outcomes) as each:
-        async for outcome in each:
-            parked = outcome.parked
-            if outcome.done:
-                done_by[f"{parked.reason} handler={parked.handler or '-'}"] += 1
-                if verbose:
-                    print(f"{done} {_describe(parked)}", flush=True)
-            else:
-                refused_by[str(outcome.refused)] += 1
-                if verbose:
-                    print(f"refused {_describe(parked)}: {outcome.refused}", flush=True)
+    (``dlq.Tally``; with ``verbose``, a line per message as it happens too); returns (done,
+    refused)."""
+    from worker.ops.dlq import Tally
+
+    def line(outcome: Outcome) -> None:
+        if outcome.done:
+            print(f"{done} {_describe(outcome.parked)}", flush=True)
+        else:
+            print(f"refused {_describe(outcome.parked)}: {outcome.refused}", flush=True)
+
+    tally = await Tally().carry_out(outcomes, line if verbose else None)
+    done_by = Counter(
+        {f"{reason} handler={handler}": count for (reason, handler), count in tally.done.items()}
+    )
     summary(f"{done} by reason", done_by)
-    summary("refused", refused_by)
-    return done_by.total(), refused_by.total()
+    summary("refused", tally.refused)
+    return tally.done_count, tally.refused_count
 
 
 DLQ = Family(
