@@ -95,9 +95,10 @@ CLAIMED_HEADERS = {
 
 
 def header_text(value: object) -> str:
-    """A header's (or property's) value as text: bytes decoded, anything else by ``str``."""
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
+    """A header's (or property's) value as text: bytes (an AMQP byte array) decoded, each byte
+    that is not UTF-8 as ``\\xNN``; anything else by ``str``."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "backslashreplace")
     return str(value)
 
 
