@@ -1,7 +1,8 @@
 """What ``worker status`` and ``worker outbox`` show and do, for a person at a terminal.
 
-Looking never changes anything: ``status`` reads the database in one read-only snapshot and asks
-the broker about the worker's queues with passive declares only, so a queue no worker has
+Looking never changes anything: ``status`` reads the database (every process's latest samples
+included) in one read-only snapshot and asks the broker about the worker's queues with passive
+declares only, so a queue no worker has
 declared yet is reported missing, never created; ``outbox_list`` shows unpublished events in
 every state and changes none. The writes are ``retry_outbox``, which in one transaction makes
 backing-off rows due now and moves parked rows back into ``outbox`` under their own
@@ -43,6 +44,7 @@ from worker.errors import (
 from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops.http import local_url
+from worker.ops.overview import ProcessView, read_processes
 from worker.settings import Settings, format_duration
 from worker.sql import inspection, outbox
 from worker.sql.tables import INBOX_STATUSES
@@ -123,12 +125,15 @@ class ProcessStatus:
 class Status:
     """``worker status``: a part is None when its service could not be read, and ``errors``
     then says why, by part (``database``, ``broker``); ``process`` is None when this host
-    serves no ``/healthz`` (``http_port`` 0)."""
+    serves no ``/healthz`` (``http_port`` 0); ``processes`` are every worker and relay process
+    that wrote a sample lately (``overview.read_processes``), None when the database could not
+    be read."""
 
     queues: list[QueueStatus] | None
     database: DatabaseStatus | None
     errors: dict[str, str]
     process: ProcessStatus | None = None
+    processes: list[ProcessView] | None = None
 
 
 async def local_process(settings: Settings, *, within: float) -> ProcessStatus | None:
@@ -185,16 +190,21 @@ async def queue_status(connection: AbstractConnection, settings: Settings) -> li
     return result
 
 
-async def database_status(engine: AsyncEngine) -> DatabaseStatus:
-    """The outbox, the inbox and the workflows in one read-only ``REPEATABLE READ`` snapshot,
-    so the numbers agree with each other and ages are measured against one ``now()``."""
+async def database_status(
+    engine: AsyncEngine, *, sample_interval: float
+) -> tuple[DatabaseStatus, list[ProcessView]]:
+    """The outbox, the inbox and the workflows, and every process seen lately (by a reader whose
+    ``sample_interval`` this is: ``overview.read_processes``), in one read-only ``REPEATABLE
+    READ`` snapshot, so the numbers agree with each other and ages are measured against one
+    ``now()``."""
     snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
     async with snapshot.begin() as conn:
         stats = await inspection.outbox_stats(conn)
         inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
         oldest = await inspection.in_progress_workflows(conn, 1, waiting=False)
         waiting = await inspection.waiting_workflows(conn)
-    return DatabaseStatus(
+        processes = await read_processes(conn, interval=sample_interval)
+    database = DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,
             oldest_age_seconds=stats.oldest_age_seconds if stats.backlog else None,
@@ -208,13 +218,17 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
         # Between steps a workflow's key is the only committed in_progress inbox row there is.
         workflows=WorkflowStatus(inbox["in_progress"], oldest[0] if oldest else None, waiting),
     )
+    return database, processes
 
 
 async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -> Status:
     """Read the database and the broker at the same time, each within ``answer_within`` seconds."""
 
-    async def read_database() -> DatabaseStatus:
-        return await _with_engine(settings, database_status)
+    async def read_database() -> tuple[DatabaseStatus, list[ProcessView]]:
+        return await _with_engine(
+            settings,
+            lambda engine: database_status(engine, sample_interval=settings.sample_interval),
+        )
 
     async def read_broker() -> list[QueueStatus]:
         connection = await connect(
@@ -227,12 +241,15 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
             return await queue_status(connection, settings)
 
     errors: dict[str, str] = {}
-    process, database, queues = await asyncio.gather(
+    process, read, queues = await asyncio.gather(
         local_process(settings, within=answer_within),
         _part(read_database(), answer_within, errors, "database", Service.POSTGRESQL, settings),
         _part(read_broker(), answer_within, errors, "broker", Service.RABBITMQ, settings),
     )
-    return Status(queues=queues, database=database, errors=errors, process=process)
+    database, processes = read if read is not None else (None, None)
+    return Status(
+        queues=queues, database=database, errors=errors, process=process, processes=processes
+    )
 
 
 async def _part(
