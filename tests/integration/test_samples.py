@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import aio_pika
 import pytest
 from aio_pika import Message
 from aio_pika.abc import AbstractRobustConnection
@@ -431,3 +432,57 @@ async def test_the_history_sums_rates_over_processes_and_takes_the_largest_backl
     assert found.failures == (None, 0.0, 0.0, None)
     assert found.work_queue[:3] == (7.0, 7.0, 7.0)
     assert found.outbox_backlog == (None, None, None, None)
+
+
+async def test_the_overview_shows_the_processes_queues_lag_and_outbox_as_they_are(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given a running worker, an outbox row waiting for a minute, and a message it dead-letters
+    settings = sampling(settings, relay=False)
+    await add_outbox_row(engine, settings, age=60.0)
+    async with running_worker(settings, payments) as running:
+        channel = await amqp.channel(publisher_confirms=True)
+        await publish(channel, settings, payment("o-1"), key="o-1")
+        await publish(channel, settings, {"payment_id": "bad"}, key="o-bad")
+        await settled(running, processed=1, dead_lettered=1)
+        await until_sampled(engine, "(counters ->> 'dead_lettered')::int = 1")
+        await until_sampled(engine, "(gauges ->> 'dead_letter_queue_ready')::int = 1")
+
+        # When the overview is read
+        seen = await overview.overview(engine, amqp, settings)
+        history = await overview.history(engine, window=60, points=12, interval=INTERVAL)
+
+    # Then it shows the worker, consuming, and the queues as the broker counts them
+    assert seen.errors == {}
+    (process,) = seen.processes
+    assert (process.role, process.state, process.reason) == ("worker", "consuming", None)
+    assert seen.work_queue == overview.QueueView(settings.queue, True, 0, 1)
+    assert seen.dead_letter_queue == overview.QueueView(settings.dead_letter_queue, True, 1, 0)
+    assert seen.queue_lag_seconds == 0  # nothing waits
+    # and the outbox as the worker's last sample saw it
+    assert seen.outbox is not None
+    assert (seen.outbox.pending, seen.outbox.backing_off, seen.outbox.parked) == (1, 0, 0)
+    assert seen.outbox.oldest_age_seconds is not None
+    assert seen.outbox.oldest_age_seconds >= 60
+    assert seen.outbox.process == process.process
+    # and the last minute's history saw the payment processed and the dead letter
+    assert any(rate for rate in history.processed if rate)
+    assert any(rate for rate in history.failures if rate)
+    assert 1.0 in history.outbox_backlog
+
+
+async def test_the_overview_shows_the_database_s_part_when_the_broker_cannot_be_read(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given a process's sample, and a broker connection that is closed
+    await insert(engine, a_sample("p"))
+    closed = await aio_pika.connect(settings.amqp_url)
+    await closed.close()
+
+    # When the overview is read through it
+    seen = await overview.overview(engine, closed, settings)
+
+    # Then the processes are there, the queues unknown, and the error says why
+    assert [p.process for p in seen.processes] == ["p"]
+    assert (seen.work_queue, seen.dead_letter_queue) == (None, None)
+    assert set(seen.errors) == {"broker"}
