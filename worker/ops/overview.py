@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker.logs import describe_error
 from worker.ops.samples import Declared, Role, declared
-from worker.settings import Settings
+from worker.settings import Settings, format_duration
 from worker.settings import field as setting_field
 from worker.sql import samples
 from worker.sql.samples import Gauge, Point, Sample
@@ -56,8 +56,9 @@ FAILURES: tuple[str, ...] = (Count.DEAD_LETTERED, Count.RETRY_SCHEDULED)
 PUBLISHED: tuple[str, ...] = (Count.RELAY_PUBLISHED,)
 """The counters whose sum is a relay's throughput: outbox rows published."""
 
-QUEUE_TIMEOUT = 5.0
-"""Seconds the broker has to answer the overview's passive declares."""
+READ_TIMEOUT = 5.0
+"""Seconds PostgreSQL has to answer an overview's or a history's reads, and the broker the
+overview's passive declares."""
 
 
 @dataclass(frozen=True)
@@ -177,11 +178,11 @@ async def overview(
         snapshot = engine.execution_options(
             isolation_level="REPEATABLE READ", postgresql_readonly=True
         )
-        async with snapshot.begin() as conn:
+        async with asyncio.timeout(READ_TIMEOUT), snapshot.begin() as conn:
             return await read_samples(conn, interval=settings.sample_interval)
 
     async def read_broker() -> tuple[Declared | None, Declared | None]:
-        async with asyncio.timeout(QUEUE_TIMEOUT):
+        async with asyncio.timeout(READ_TIMEOUT):
             work = await declared(connection, settings.queue)
             dead = await declared(connection, settings.dead_letter_queue)
         return work, dead
@@ -190,12 +191,12 @@ async def overview(
     newest: list[Sample] = []
     oldest: list[Sample] = []
     if isinstance(database, BaseException):
-        errors["database"] = describe_error(database)
+        errors["database"] = _unread(database)
     else:
         newest, oldest = database
     work = dead = None
     if isinstance(broker, BaseException):
-        errors["broker"] = describe_error(broker)
+        errors["broker"] = _unread(broker)
     else:
         work = _queue_view(settings.queue, broker[0])
         dead = _queue_view(settings.dead_letter_queue, broker[1])
@@ -221,9 +222,9 @@ async def history(
 
     Reads at most ``window / interval`` (+2) samples per process (``interval``: the sample
     interval the processes write at), ``HISTORY_LIMIT`` in all, and of each only the few
-    numbers drawn."""
+    numbers drawn. Raises ``TimeoutError`` when PostgreSQL takes over ``READ_TIMEOUT``."""
     per_process = math.ceil(window / (interval or DEFAULT_INTERVAL)) + 2
-    async with engine.connect() as conn:
+    async with asyncio.timeout(READ_TIMEOUT), engine.connect() as conn:
         found = await samples.series(
             conn,
             within=window,
@@ -389,6 +390,13 @@ def _bucket(age: float, width: float, buckets: int) -> int | None:
     if back >= buckets or back < 0:
         return None
     return buckets - 1 - back
+
+
+def _unread(exc: BaseException) -> str:
+    """Why a part could not be read, in one line (no URL's password)."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {format_duration(READ_TIMEOUT)}"
+    return describe_error(exc)
 
 
 def _count(value: float | None) -> int | None:
