@@ -102,6 +102,20 @@ def token_client(entry: str) -> tuple[str, str]:
     return name, token
 
 
+def console_url(raw: str) -> str:
+    """An ``http(s)://host[:port]`` address with nothing after the host (no path, query or
+    user), without its trailing slash; empty for none."""
+    url = raw.strip().rstrip("/")
+    if not url:
+        return ""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be http://host[:port] or https://host[:port]")
+    if parts.path or parts.query or parts.fragment or parts.username or parts.password:
+        raise ValueError("must name a scheme, a host and a port only")
+    return url
+
+
 def bearer_tokens(raw: str) -> tuple[str, ...]:
     """A comma-separated list of bearer tokens, each ``name:token`` or a bare token (see
     ``token_client``); a value that names no token at all (``,``) is refused, never taken as
@@ -261,6 +275,7 @@ class Group(enum.Enum):
     NOTIFY = "outbox notifications"
     RETRIES = "delayed retries, and the inbox retention that must outlast them"
     SWEEP = "the inbox janitor's sweep"
+    CONSOLE = "the operator console (`worker console`)"
 
 
 _SPEC = "worker.setting"
@@ -563,6 +578,45 @@ class Settings:
         "reads back only what its name posted) or a bare token (its own client); none: no "
         "authentication. Prefer the variable to the flag, which other users of the host can read",
         secret=True,
+    )
+    console_host: str = setting(
+        "127.0.0.1",
+        str,
+        Group.CONSOLE,
+        "address the console listens on; only this host can reach it by default. Put it behind "
+        "a TLS proxy (and set `console_url`) before you open it to a network",
+    )
+    console_port: int = setting(
+        8100,
+        listen_port,
+        Group.CONSOLE,
+        "port the console listens on; `0` for a free one (logged at start)",
+    )
+    console_viewer_tokens: tuple[str, ...] = setting(
+        (),
+        bearer_tokens,
+        Group.CONSOLE,
+        "comma-separated `name:token` entries (tokens of at least 16 characters) that log in to "
+        "the console read-only: they see every page and act on nothing. The ingress's tokens "
+        "may be reused here, but a client of the ingress then reads every dead letter's body",
+        secret=True,
+    )
+    console_operator_tokens: tuple[str, ...] = setting(
+        (),
+        bearer_tokens,
+        Group.CONSOLE,
+        "comma-separated `name:token` entries that log in to the console as operators: they "
+        "may also replay and purge dead letters and retry, hurry and cancel outbox rows. With "
+        "neither tokens setting, `worker console` refuses to start",
+        secret=True,
+    )
+    console_url: str = setting(
+        "",
+        console_url,
+        Group.CONSOLE,
+        "the console's address as its users reach it (`https://console.example.com`), when a "
+        "proxy serves it: its host is allowed besides localhost, and `https` makes the session "
+        "cookie `Secure`. Empty: served as `http://<console_host>:<console_port>`",
     )
     ingress_routing_keys: tuple[str, ...] = setting(
         (),

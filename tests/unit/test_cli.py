@@ -105,10 +105,10 @@ def test_no_function_of_the_command_package_is_over_80_lines() -> None:
     assert long == []
 
 
-def test_run_reads_every_group_but_the_ingress() -> None:
+def test_run_reads_every_group_but_the_ingress_and_the_console() -> None:
     """``worker run`` is a complete deployment of the worker; the HTTP ingress runs apart, in
-    ``worker serve``."""
-    assert set(READS["run"]) == set(Group) - {Group.INGRESS}
+    ``worker serve``, and the console in ``worker console``."""
+    assert set(READS["run"]) == set(Group) - {Group.INGRESS, Group.CONSOLE}
 
 
 @pytest.mark.parametrize("command", list(READS))

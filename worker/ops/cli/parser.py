@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Mapping, Sequence
 
-from worker.ops.cli import demo, dlq, outbox, run, schema, status
+from worker.ops.cli import console, demo, dlq, outbox, run, schema, status
 from worker.ops.cli.command import Command, Family
 from worker.ops.cli.flags import HelpFormatter, add_settings
 from worker.ops.cli.flags import settings_table as _settings_table
@@ -20,6 +20,7 @@ COMMANDS: tuple[Command | Family, ...] = (
     outbox.OUTBOX,
     status.VERIFY,
     status.HEALTH,
+    console.CONSOLE,
     *schema.COMMANDS,
     demo.DEMO,
 )

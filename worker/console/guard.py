@@ -1,0 +1,197 @@
+"""What every request to the console passes, and what a page declares it needs.
+
+``Guard`` (ASGI middleware) refuses a ``Host`` the console does not serve (against DNS
+rebinding: localhost's names and ``console_url``'s host only) and sets the security headers on
+every answer: a Content-Security-Policy that lets the pages load only the console's own script
+and style (no inline script, no other origin), no framing, no sniffing, no referrer, no caching.
+
+A page's route takes a ``Viewer`` parameter to be seen by any logged-in user, or an
+``OperatorAction`` for a POST that changes something. Invariant of the latter: the
+action runs only for a live session, a POST from the console's own origin (``Origin`` and
+``Sec-Fetch-Site`` checked when the browser sends them) carrying the session's CSRF token, and an
+operator; each refusal is a 403 (written to the audit, who tried what), never a partial action.
+A form body is read whole up to ``MAX_FORM_BYTES`` (``worker.ingress.edge`` has already bounded
+the time and the requests in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Annotated
+from urllib.parse import parse_qs, quote
+
+from fastapi import Depends, HTTPException
+from starlette.datastructures import MutableHeaders
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from worker.console import audit
+from worker.console.sessions import Session
+from worker.console.state import Console, console_of
+from worker.ingress.edge import host_allowed
+
+MAX_FORM_BYTES = 256 * 1024
+"""Bytes a form's body may have (a selection of a thousand dead letters' ids fits)."""
+MAX_FORM_FIELDS = 5000
+CONTENT_SECURITY_POLICY = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+SECURITY_HEADERS = {
+    "content-security-policy": CONTENT_SECURITY_POLICY,
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+    "cache-control": "no-store",
+    "cross-origin-opener-policy": "same-origin",
+}
+
+
+class Guard:
+    """The middleware in front of every console route (see the module's docstring)."""
+
+    def __init__(self, app: ASGIApp, console: Console) -> None:
+        self.app = app
+        self.console = console
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def secured(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = MutableHeaders(scope=message)
+                for name, value in SECURITY_HEADERS.items():
+                    headers[name] = value
+            await send(message)
+
+        if not host_allowed(scope, frozenset(self.console.allowed_hosts)):
+            await secured(
+                {
+                    "type": "http.response.start",
+                    "status": HTTPStatus.BAD_REQUEST,
+                    "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+                }
+            )
+            await send(
+                {
+                    "type": "http.response.body",
+                    "body": b"this Host is not served; set WORKER_CONSOLE_URL\n",
+                }
+            )
+            return
+        await self.app(scope, receive, secured)
+
+
+class LoginRequired(Exception):
+    """A page asked for by a browser without a live session."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path)
+        self.path = path
+
+
+@dataclass(frozen=True)
+class Form:
+    """A POSTed form's fields (``application/x-www-form-urlencoded``), each with its values."""
+
+    fields: Mapping[str, list[str]]
+
+    def one(self, name: str, default: str | None = None) -> str | None:
+        """The field's first value, or ``default``."""
+        values = self.fields.get(name)
+        return values[0] if values else default
+
+    def all(self, name: str) -> list[str]:
+        """Every value of the field, in order."""
+        return list(self.fields.get(name, []))
+
+
+@dataclass(frozen=True)
+class Action:
+    """An operator's POST that passed every check: its session and its form."""
+
+    session: Session
+    form: Form
+
+
+def session_of(request: Request) -> Session | None:
+    """The live session of ``request``'s cookie, kept in ``request.state.session``."""
+    console = console_of(request)
+    session = console.sessions.find(request.cookies.get(console.cookie_name))
+    request.state.session = session
+    return session
+
+
+async def viewer(request: Request) -> Session:
+    """Dependency: the logged-in user's session (any role); a browser without one is sent to
+    the login page (a GET) or refused 401."""
+    session = session_of(request)
+    if session is None:
+        if request.method in ("GET", "HEAD"):
+            raise LoginRequired(login_path(request))
+        raise HTTPException(HTTPStatus.UNAUTHORIZED, "log in first")
+    return session
+
+
+def login_path(request: Request) -> str:
+    """``/login`` with this request's path and query to come back to."""
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return "/login?next=" + quote(target, safe="")
+
+
+async def read_form(request: Request) -> Form:
+    """The request's form, read whole; 413 past ``MAX_FORM_BYTES``, 415 for another type."""
+    kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if kind != "application/x-www-form-urlencoded":
+        raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "send a form")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_FORM_BYTES:
+            raise HTTPException(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, "the form is too large")
+    try:
+        fields = parse_qs(
+            body.decode("utf-8"),
+            keep_blank_values=True,
+            max_num_fields=MAX_FORM_FIELDS,
+            errors="strict",
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise HTTPException(HTTPStatus.BAD_REQUEST, "the form cannot be read") from None
+    return Form(fields)
+
+
+def same_origin(request: Request) -> bool:
+    """False when the browser says the request comes from another site (``Sec-Fetch-Site``) or
+    another origin (``Origin``); True when it says neither (the CSRF token then decides)."""
+    site = request.headers.get("sec-fetch-site")
+    if site is not None and site not in ("same-origin", "none"):
+        return False
+    origin = request.headers.get("origin")
+    return origin is None or origin == console_of(request).expected_origin(request)
+
+
+async def operator_action(request: Request) -> Action:
+    """Dependency of every POST that changes something (see the module's invariant)."""
+    session = session_of(request)
+    if session is None:
+        raise HTTPException(HTTPStatus.UNAUTHORIZED, "log in first")
+    form = await read_form(request)
+    action = request.url.path
+    if not same_origin(request) or not session.csrf_matches(form.one("csrf")):
+        await audit.refused(console_of(request), session.user, action, "no valid CSRF token")
+        raise HTTPException(HTTPStatus.FORBIDDEN, "refused: the form's CSRF token is missing")
+    if not session.user.may_act:
+        await audit.refused(console_of(request), session.user, action, "read-only user")
+        raise HTTPException(HTTPStatus.FORBIDDEN, "refused: this user may only look")
+    return Action(session, form)
+
+
+Viewer = Annotated[Session, Depends(viewer)]
+"""A route parameter: the logged-in user's session (any role)."""
+OperatorAction = Annotated[Action, Depends(operator_action)]
+"""A route parameter: an operator's checked POST (see ``operator_action``)."""

@@ -1,0 +1,52 @@
+"""``worker console``: the console under uvicorn, in this process's event loop, until stopped.
+
+It runs under the ingress's server setup (``worker.ingress.serve.serve_app``: the connection cap,
+the header deadline, a graceful stop), on ``console_host``:``console_port``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from worker import database
+from worker.backoff import while_starting
+from worker.console.app import create_app
+from worker.console.state import APPLICATION_NAME, POOL_SIZE
+from worker.ingress.serve import serve_app
+from worker.settings import Settings, redact
+
+log = logging.getLogger(__name__)
+
+
+async def serve(
+    settings: Settings, stop: asyncio.Event, *, started: Callable[[int], object] | None = None
+) -> None:
+    """Serve the console until ``stop`` is set; ``started`` gets the port once it listens."""
+    engine = database.create_engine(
+        settings, application_name=APPLICATION_NAME, pool_size=POOL_SIZE
+    )
+    try:
+        app = create_app(settings, engine=engine)
+        await while_starting(log, settings.startup_timeout)(database.probe, engine)
+
+        def listening(port: int) -> None:
+            log.info(
+                "serving the console on http://%s:%d (%d operator and %d read-only tokens; "
+                "database %s)",
+                settings.console_host,
+                port,
+                len(settings.console_operator_tokens),
+                len(settings.console_viewer_tokens),
+                redact(settings.database_url),
+            )
+            if started is not None:
+                started(port)
+
+        await serve_app(
+            app, settings.console_host, settings.console_port, stop, listening, settings=settings
+        )
+    finally:
+        await engine.dispose()
+    log.info("the console stopped")

@@ -1,0 +1,107 @@
+"""What the console's pages share: the settings, the database, the broker connection (made on
+first use), the sessions and the accounts; one ``Console`` per application, at
+``app.state.console``.
+
+Invariant: the console holds at most one broker connection and the engine's pool (``POOL_SIZE``)
+of database connections, whatever its users do, and closes both when it stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from urllib.parse import urlsplit
+
+from aio_pika.abc import AbstractRobustConnection
+from sqlalchemy.ext.asyncio import AsyncEngine
+from starlette.requests import Request
+
+from worker.console.accounts import Accounts
+from worker.console.sessions import Sessions
+from worker.liveness import Liveness
+from worker.settings import Settings
+from worker.transport.connection import connect
+
+APPLICATION_NAME = "worker-console"
+"""The ``application_name`` of the console's database connections and broker connection."""
+POOL_SIZE = 4
+"""Database connections the console holds at most."""
+LOGIN_ATTEMPTS = 10
+"""Failed logins a client address may make per ``LOGIN_WINDOW``; more are answered 429."""
+LOGIN_WINDOW = 60.0
+MAX_TRACKED_ADDRESSES = 4096
+"""Client addresses whose failed logins are remembered at most (the oldest are forgotten)."""
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+
+
+class Console:
+    """The state of one console application (see the module's invariant)."""
+
+    def __init__(self, settings: Settings, engine: AsyncEngine, accounts: Accounts) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.accounts = accounts
+        self.sessions = Sessions()
+        self._broker: AbstractRobustConnection | None = None
+        self._broker_lock = asyncio.Lock()
+        self._failures: OrderedDict[str, list[float]] = OrderedDict()
+        url = urlsplit(settings.console_url) if settings.console_url else None
+        self.secure = url is not None and url.scheme == "https"
+        """Whether the session cookie is ``Secure`` (the console is reached over TLS)."""
+        self.allowed_hosts = LOCAL_HOSTS | (
+            {(url.hostname or "").lower()} if url is not None else set()
+        )
+        self.origin = settings.console_url or None
+        """The origin a browser names on a POST (``console_url``); None: the request's Host."""
+
+    @property
+    def cookie_name(self) -> str:
+        """The session cookie's name; ``__Host-`` bound to this host and path when Secure."""
+        return "__Host-worker-console" if self.secure else "worker-console"
+
+    def expected_origin(self, request: Request) -> str:
+        """The origin a same-site POST to this console names."""
+        if self.origin is not None:
+            return self.origin
+        return f"{request.url.scheme}://{request.headers.get('host', '')}"
+
+    async def broker(self) -> AbstractRobustConnection:
+        """The console's broker connection, made on first use and kept."""
+        async with self._broker_lock:
+            if self._broker is None or self._broker.is_closed:
+                self._broker = await connect(
+                    self.settings.amqp_url,
+                    name=APPLICATION_NAME,
+                    liveness=Liveness.of(self.settings),
+                )
+            return self._broker
+
+    async def close(self) -> None:
+        """Close the broker connection, if one was made."""
+        if self._broker is not None:
+            broker, self._broker = self._broker, None
+            await broker.close()
+
+    def login_allowed(self, address: str) -> bool:
+        """Whether ``address`` has failed fewer than ``LOGIN_ATTEMPTS`` logins lately."""
+        now = time.monotonic()
+        recent = [t for t in self._failures.get(address, []) if now - t < LOGIN_WINDOW]
+        if recent:
+            self._failures[address] = recent
+        else:
+            self._failures.pop(address, None)
+        return len(recent) < LOGIN_ATTEMPTS
+
+    def login_failed(self, address: str) -> None:
+        """Remember one failed login of ``address``."""
+        self._failures.setdefault(address, []).append(time.monotonic())
+        self._failures.move_to_end(address)
+        while len(self._failures) > MAX_TRACKED_ADDRESSES:
+            self._failures.popitem(last=False)
+
+
+def console_of(request: Request) -> Console:
+    """The ``Console`` of the application serving ``request``."""
+    console: Console = request.app.state.console
+    return console
