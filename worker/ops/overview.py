@@ -168,10 +168,11 @@ async def read_processes(conn: AsyncConnection, *, interval: float) -> list[Proc
 
 
 async def overview(
-    engine: AsyncEngine, connection: AbstractConnection, settings: Settings
+    engine: AsyncEngine, connection: AbstractConnection | None, settings: Settings
 ) -> Overview:
     """The processes, the work queue and the DLQ, the queue's lag and the outbox, read at once:
-    the database's part and the broker's each fail on their own (``Overview.errors``)."""
+    the database's part and the broker's each fail on their own (``Overview.errors``); without
+    ``connection`` (none could be made) the broker's part is not read."""
     errors: dict[str, str] = {}
 
     async def read_database() -> tuple[list[Sample], list[Sample]]:
@@ -182,6 +183,8 @@ async def overview(
             return await read_samples(conn, interval=settings.sample_interval)
 
     async def read_broker() -> tuple[Declared | None, Declared | None]:
+        if connection is None:
+            raise ConnectionError("no connection to the broker")
         async with asyncio.timeout(READ_TIMEOUT):
             work = await declared(connection, settings.queue)
             dead = await declared(connection, settings.dead_letter_queue)
@@ -191,12 +194,12 @@ async def overview(
     newest: list[Sample] = []
     oldest: list[Sample] = []
     if isinstance(database, BaseException):
-        errors["database"] = _unread(database)
+        errors["database"] = unread(database)
     else:
         newest, oldest = database
     work = dead = None
     if isinstance(broker, BaseException):
-        errors["broker"] = _unread(broker)
+        errors["broker"] = unread(broker)
     else:
         work = _queue_view(settings.queue, broker[0])
         dead = _queue_view(settings.dead_letter_queue, broker[1])
@@ -392,8 +395,9 @@ def _bucket(age: float, width: float, buckets: int) -> int | None:
     return buckets - 1 - back
 
 
-def _unread(exc: BaseException) -> str:
-    """Why a part could not be read, in one line (no URL's password)."""
+def unread(exc: BaseException) -> str:
+    """Why a part could not be read, in one line (no URL's password): ``no answer within 5s``
+    for a timeout."""
     if isinstance(exc, TimeoutError):
         return f"no answer within {format_duration(READ_TIMEOUT)}"
     return describe_error(exc)
