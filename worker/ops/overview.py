@@ -21,7 +21,7 @@ import asyncio
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import groupby, pairwise
+from itertools import pairwise
 
 from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
@@ -327,7 +327,7 @@ def queue_lag(newest: Sequence[Sample]) -> float | None:
 
 
 def bucketed(found: Sequence[Point], *, window: float, buckets: int) -> History:
-    """``History`` of ``found`` (by process, oldest first, as ``samples.series`` returns them).
+    """``History`` of ``found`` (``samples.series``'s points: any processes', in any order).
 
     A rate in a bucket is, for each process, the growth of its counters between its samples
     that ended in the bucket over the time they span, summed over the processes; a gauge is,
@@ -343,8 +343,11 @@ def bucketed(found: Sequence[Point], *, window: float, buckets: int) -> History:
         Gauge.WORK_QUEUE: [{} for _ in range(buckets)],
         Gauge.OUTBOX_BACKLOG: [{} for _ in range(buckets)],
     }
-    for process, points in groupby(found, key=lambda p: p.process):
-        ordered = list(points)
+    by_process: dict[str, list[Point]] = {}
+    for point in found:
+        by_process.setdefault(point.process, []).append(point)
+    for process, points in by_process.items():
+        ordered = sorted(points, key=lambda p: -p.age_seconds)  # oldest first
         for point in ordered:  # (oldest first: the newest in a bucket stays)
             i = _bucket(point.age_seconds, width, buckets)
             for name, series in newest.items():
