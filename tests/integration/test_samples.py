@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -31,8 +32,9 @@ from tests.integration.support import (
 from tests.integration.test_admin import line, worker
 from worker import Router
 from worker.core.context import Context
+from worker.database import create_engine
 from worker.ops import overview
-from worker.ops.samples import SAMPLES_KEPT, State
+from worker.ops.samples import SAMPLES_KEPT, Role, Sampler, State
 from worker.settings import Settings
 from worker.sql import samples
 from worker.sql.samples import Gauge, NewSample
@@ -486,3 +488,44 @@ async def test_the_overview_shows_the_database_s_part_when_the_broker_cannot_be_
     assert [p.process for p in seen.processes] == ["p"]
     assert (seen.work_queue, seen.dead_letter_queue) == (None, None)
     assert set(seen.errors) == {"broker"}
+
+
+async def test_a_relay_alone_reports_missing_queues_as_null_and_declares_none(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given no worker ever declared the queues, and a relay alone running
+    async with running_relay(sampling(settings)):
+        # When it has written a few samples
+        await until_sampled(engine, "state = 'relaying'")
+        await until_sampled(
+            engine, "role = 'relay' AND id >= (SELECT min(id) + 5 FROM process_samples)"
+        )
+
+    # Then its samples hold no count for the queues, and the queues still do not exist
+    written = await samples_of(engine, "relay")
+    assert {row.gauges[Gauge.WORK_QUEUE] for row in written} == {None}
+    assert {row.gauges[Gauge.DEAD_LETTER_QUEUE] for row in written} == {None}
+    assert {row.gauges[Gauge.QUEUE_LAG] for row in written} == {None}
+    for queue in (settings.queue, settings.dead_letter_queue):
+        channel = await amqp.channel()
+        with pytest.raises(aio_pika.exceptions.ChannelNotFoundEntity):
+            await channel.declare_queue(queue, passive=True)
+
+
+async def test_a_write_that_fails_is_logged_once_and_skipped(
+    settings: Settings, amqp: AbstractRobustConnection, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Given a sampler whose database cannot be reached
+    unreachable = settings.replace(database_url="postgresql://postgres@127.0.0.1:1/nowhere")
+    engine = create_engine(unreachable, application_name="test-samples", pool_size=1)
+    sampler = Sampler(settings, engine, amqp, Counter(), role=Role.RELAY, outbox=lambda: None)
+    try:
+        # When it samples three times
+        for _ in range(3):
+            await sampler.sample()
+    finally:
+        await engine.dispose()
+
+    # Then nothing was raised, and one warning says why
+    warned = [r for r in caplog.records if "could not write a sample" in r.getMessage()]
+    assert [r.levelname for r in warned] == ["WARNING"]
