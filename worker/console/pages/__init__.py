@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.console.pages import audit, login, outbox
+from worker.console.pages import audit, inbox, login, outbox
 
-ROUTERS: tuple[APIRouter, ...] = (login.router, outbox.router, audit.router)
-NAV: tuple[tuple[str, str], ...] = (("Outbox", "/outbox"), ("Audit", "/audit"))
+ROUTERS: tuple[APIRouter, ...] = (login.router, outbox.router, inbox.router, audit.router)
+NAV: tuple[tuple[str, str], ...] = (("Outbox", "/outbox"), ("Inbox", "/inbox"), ("Audit", "/audit"))
 """(label, path) of each page in the navigation bar."""
