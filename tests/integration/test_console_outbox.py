@@ -111,10 +111,21 @@ async def test_each_state_lists_its_rows_under_its_count(
     assert all("/preview" not in page for page in pages.values())
 
 
+async def next_page(client: httpx.AsyncClient, page: str) -> str:
+    """The page the ``Next`` link of ``page`` leads to."""
+    following = re.search(r'href="([^"]+)" id="next-page"', page)
+    assert following is not None, "no next page"
+    return (await client.get(following.group(1).replace("&amp;", "&"))).text
+
+
+def listed_ids(state: str, page: str) -> list[int]:
+    return [int(n) for n in re.findall(rf'href="/outbox/row/{state}/(\d+)"', page)]
+
+
 async def test_a_long_state_is_counted_up_to_its_cap_and_paged_by_keyset(
     settings: Settings, engine: AsyncEngine
 ) -> None:
-    # Given 1,001 parked rows
+    # Given 1,001 parked rows, and 201 events scheduled a minute apart
     async with engine.begin() as conn:
         await conn.execute(
             text(
@@ -125,22 +136,25 @@ async def test_a_long_state_is_counted_up_to_its_cap_and_paged_by_keyset(
             ),
             {"key": ROUTING_KEY},
         )
+    await schedule(engine, settings, *(timedelta(minutes=201 - n) for n in range(201)))
+    earliest_due = await rows(engine, "SELECT id FROM outbox_scheduled ORDER BY due_at, id")
 
     async with running_console(settings) as console, logged_in(console, VIEWER_TOKEN) as viewer:
-        # When a user opens the parked rows, then the next page
-        first = (await viewer.client.get("/outbox", params={"state": "parked"})).text
-        following = re.search(r'href="([^"]+)" id="next-page"', first)
-        assert following is not None
-        second = (await viewer.client.get(following.group(1).replace("&amp;", "&"))).text
+        # When a user opens each state, then its next page
+        parked = (await viewer.client.get("/outbox", params={"state": "parked"})).text
+        parked_next = await next_page(viewer.client, parked)
+        scheduled = (await viewer.client.get("/outbox", params={"state": "scheduled"})).text
+        scheduled_next = await next_page(viewer.client, scheduled)
 
     # Then the count says more than it counts, and the pages follow each other, 200 each
-    assert re.search(r'id="count-parked">.*?&gt; 1,000</span>', first, re.DOTALL)
-
-    def ids(page: str) -> list[int]:
-        return [int(n) for n in re.findall(r'href="/outbox/row/parked/(\d+)"', page)]
-
-    assert ids(first) == list(range(1, 201))
-    assert ids(second) == list(range(201, 401))
+    assert re.search(r'id="count-parked">.*?&gt; 1,000</span>', parked, re.DOTALL)
+    assert re.search(r'id="count-scheduled">.*?>201</span>', parked, re.DOTALL)
+    assert listed_ids("parked", parked) == list(range(1, 201))
+    assert listed_ids("parked", parked_next) == list(range(201, 401))
+    # (scheduled events earliest due first, the second page after the first's last due time)
+    assert listed_ids("scheduled", scheduled) == [row_id for (row_id,) in earliest_due[:200]]
+    assert listed_ids("scheduled", scheduled_next) == [earliest_due[200][0]]
+    assert 'id="next-page"' not in scheduled_next
 
 
 async def test_retry_of_a_ticked_parked_row_is_previewed_then_done_and_a_relay_publishes_it(
