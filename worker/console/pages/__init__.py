@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.console.pages import audit, login
+from worker.console.pages import audit, inbox, login, outbox
 
-ROUTERS: tuple[APIRouter, ...] = (login.router, audit.router)
-NAV: tuple[tuple[str, str], ...] = (("Audit", "/audit"),)
+ROUTERS: tuple[APIRouter, ...] = (login.router, outbox.router, inbox.router, audit.router)
+NAV: tuple[tuple[str, str], ...] = (("Outbox", "/outbox"), ("Inbox", "/inbox"), ("Audit", "/audit"))
 """(label, path) of each page in the navigation bar."""
