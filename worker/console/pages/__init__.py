@@ -11,8 +11,19 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.console.pages import audit, login, overview
+from worker.console.pages import audit, inbox, login, outbox, overview
 
-ROUTERS: tuple[APIRouter, ...] = (login.router, overview.router, audit.router)
-NAV: tuple[tuple[str, str], ...] = (("Overview", "/overview"), ("Audit", "/audit"))
+ROUTERS: tuple[APIRouter, ...] = (
+    login.router,
+    overview.router,
+    outbox.router,
+    inbox.router,
+    audit.router,
+)
+NAV: tuple[tuple[str, str], ...] = (
+    ("Overview", "/overview"),
+    ("Outbox", "/outbox"),
+    ("Inbox", "/inbox"),
+    ("Audit", "/audit"),
+)
 """(label, path) of each page in the navigation bar."""
