@@ -44,7 +44,7 @@ async def test_an_operator_logs_in_through_the_form_and_sees_their_name_on_the_a
     page: Page, engine: AsyncEngine
 ) -> None:
     # Given a browser without a session: the console sends it to the login form
-    await page.open("/")
+    await page.open("/audit")
     await page.wait_for_path("/login")
     assert await page.attribute("input[name=next]", "value") == "/audit"
     assert await page.attribute("#token", "type") == "password"
@@ -99,7 +99,7 @@ async def test_a_read_only_session_shows_no_action_and_its_post_is_refused(
     page: Page, engine: AsyncEngine
 ) -> None:
     # Given a read-only user logged in through the form
-    await page.log_in(VIEWER_TOKEN)
+    await page.log_in(VIEWER_TOKEN, start="/audit")
     await page.wait_for_path("/audit")
     assert await page.text(".who") == f"{VIEWER} viewer"
 
