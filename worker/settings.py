@@ -459,6 +459,15 @@ class Settings:
         Group.ENDPOINT,
         "port of `/healthz` and `/metrics`; `0` serves none",
     )
+    sample_interval: float = setting(
+        10.0,
+        duration_or_zero,
+        Group.ENDPOINT,
+        "how often a `worker run` or `worker relay` process writes a sample of itself (state, "
+        "counters, backlogs) to `process_samples`, what `worker status` and the console show "
+        "of every process; `0` writes none (`worker status` then lists the processes seen in "
+        "the last 30s)",
+    )
     http_max_connections: int = setting(
         64,
         positive_int,

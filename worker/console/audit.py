@@ -30,12 +30,12 @@ async def record(
     count: int,
     outcome: str,
     detail: Mapping[str, Any] | None = None,
-) -> None:
-    """Write one entry (see the module's invariant)."""
+) -> int:
+    """Write one entry (see the module's invariant); its id."""
     if len(target) > MAX_TARGET:
         target = target[: MAX_TARGET - 1] + "…"
     async with console.engine.begin() as conn:
-        await audit.record(
+        entry = await audit.record(
             conn,
             actor=user.name,
             role=user.role.value,
@@ -54,6 +54,7 @@ async def record(
         outcome,
         count,
     )
+    return entry
 
 
 async def refused(console: Console, user: User, action: str, why: str) -> None:

@@ -3,7 +3,8 @@
 ``Guard`` (ASGI middleware) refuses a ``Host`` the console does not serve (against DNS
 rebinding: localhost's names and ``console_url``'s host only) and sets the security headers on
 every answer: a Content-Security-Policy that lets the pages load only the console's own script
-and style (no inline script, no other origin), no framing, no sniffing, no referrer, no caching.
+and style (no inline script, no other origin), no framing, no sniffing, no referrer sent to
+another origin, no caching.
 
 A page's route takes a ``Viewer`` parameter to be seen by any logged-in user, or an
 ``OperatorAction`` for a POST that changes something. Invariant of the latter: the
@@ -43,7 +44,9 @@ SECURITY_HEADERS = {
     "content-security-policy": CONTENT_SECURITY_POLICY,
     "x-content-type-options": "nosniff",
     "x-frame-options": "DENY",
-    "referrer-policy": "no-referrer",
+    # (not no-referrer: under it a browser names the origin of the console's own form POSTs
+    # `null`, and same_origin refuses them)
+    "referrer-policy": "same-origin",
     "cache-control": "no-store",
     "cross-origin-opener-policy": "same-origin",
 }

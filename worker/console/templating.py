@@ -8,6 +8,7 @@ value ``safe``; a page that needs markup builds it in the template from escaped 
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Any
@@ -57,7 +58,22 @@ def number(value: float | int | None) -> str:
     return f"{int(value):,}"
 
 
-environment.filters.update(ago=ago, when=when, number=number)
+_HIDDEN = re.compile(
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]"
+)
+"""Control characters (but tab and newline) and the invisible or bidirectional formatting ones."""
+
+
+def visible(value: str | None) -> str:
+    """``value`` with each control, invisible or bidirectional formatting character written as
+    an escape (``\\u202e``), so a stored value cannot hide text or reorder what a page shows
+    around it (escaping for HTML is still the template's); ``""`` for None."""
+    if value is None:
+        return ""
+    return _HIDDEN.sub(lambda found: f"\\u{ord(found.group()):04x}", value)
+
+
+environment.filters.update(ago=ago, when=when, number=number, visible=visible)
 
 
 def render(

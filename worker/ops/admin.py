@@ -1,7 +1,8 @@
 """What ``worker status`` and ``worker outbox`` show and do, for a person at a terminal.
 
-Looking never changes anything: ``status`` reads the database in one read-only snapshot and asks
-the broker about the worker's queues with passive declares only, so a queue no worker has
+Looking never changes anything: ``status`` reads the database (every process's latest samples
+included) in one read-only snapshot and asks the broker about the worker's queues with passive
+declares only, so a queue no worker has
 declared yet is reported missing, never created; ``outbox_list`` shows unpublished events in
 every state and changes none. The writes are ``retry_outbox``, which in one transaction makes
 backing-off rows due now and moves parked rows back into ``outbox`` under their own
@@ -10,6 +11,11 @@ backing-off rows due now and moves parked rows back into ``outbox`` under their 
 transaction. Each part of
 ``status`` fails on its own: an unreachable PostgreSQL still leaves the broker's part, and the
 reverse.
+
+The outbox's reading and writing are functions of an engine (``read_outbox``,
+``retry_outbox_rows``, ``cancel_outbox_events``), which the console calls on its own engine;
+the functions of ``Settings`` beside them run the same on a one-connection engine for the CLI,
+so both follow one set of rules.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from worker.errors import (
 from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops.http import local_url
+from worker.ops.overview import ProcessView, read_processes
 from worker.settings import Settings, format_duration
 from worker.sql import inspection, outbox
 from worker.sql.tables import INBOX_STATUSES
@@ -123,12 +130,15 @@ class ProcessStatus:
 class Status:
     """``worker status``: a part is None when its service could not be read, and ``errors``
     then says why, by part (``database``, ``broker``); ``process`` is None when this host
-    serves no ``/healthz`` (``http_port`` 0)."""
+    serves no ``/healthz`` (``http_port`` 0); ``processes`` are every worker and relay process
+    that wrote a sample lately (``overview.read_processes``), None when the database could not
+    be read."""
 
     queues: list[QueueStatus] | None
     database: DatabaseStatus | None
     errors: dict[str, str]
     process: ProcessStatus | None = None
+    processes: list[ProcessView] | None = None
 
 
 async def local_process(settings: Settings, *, within: float) -> ProcessStatus | None:
@@ -185,16 +195,21 @@ async def queue_status(connection: AbstractConnection, settings: Settings) -> li
     return result
 
 
-async def database_status(engine: AsyncEngine) -> DatabaseStatus:
-    """The outbox, the inbox and the workflows in one read-only ``REPEATABLE READ`` snapshot,
-    so the numbers agree with each other and ages are measured against one ``now()``."""
+async def database_status(
+    engine: AsyncEngine, *, sample_interval: float
+) -> tuple[DatabaseStatus, list[ProcessView]]:
+    """The outbox, the inbox and the workflows, and every process seen lately (by a reader whose
+    ``sample_interval`` this is: ``overview.read_processes``), in one read-only ``REPEATABLE
+    READ`` snapshot, so the numbers agree with each other and ages are measured against one
+    ``now()``."""
     snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
     async with snapshot.begin() as conn:
         stats = await inspection.outbox_stats(conn)
         inbox = dict.fromkeys(INBOX_STATUSES, 0) | await inspection.inbox_counts(conn)
         oldest = await inspection.in_progress_workflows(conn, 1, waiting=False)
         waiting = await inspection.waiting_workflows(conn)
-    return DatabaseStatus(
+        processes = await read_processes(conn, interval=sample_interval)
+    database = DatabaseStatus(
         outbox=OutboxStatus(
             backlog=stats.backlog,
             oldest_age_seconds=stats.oldest_age_seconds if stats.backlog else None,
@@ -208,13 +223,17 @@ async def database_status(engine: AsyncEngine) -> DatabaseStatus:
         # Between steps a workflow's key is the only committed in_progress inbox row there is.
         workflows=WorkflowStatus(inbox["in_progress"], oldest[0] if oldest else None, waiting),
     )
+    return database, processes
 
 
 async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -> Status:
     """Read the database and the broker at the same time, each within ``answer_within`` seconds."""
 
-    async def read_database() -> DatabaseStatus:
-        return await _with_engine(settings, database_status)
+    async def read_database() -> tuple[DatabaseStatus, list[ProcessView]]:
+        return await _with_engine(
+            settings,
+            lambda engine: database_status(engine, sample_interval=settings.sample_interval),
+        )
 
     async def read_broker() -> list[QueueStatus]:
         connection = await connect(
@@ -227,12 +246,15 @@ async def status(settings: Settings, *, answer_within: float = STATUS_TIMEOUT) -
             return await queue_status(connection, settings)
 
     errors: dict[str, str] = {}
-    process, database, queues = await asyncio.gather(
+    process, read, queues = await asyncio.gather(
         local_process(settings, within=answer_within),
         _part(read_database(), answer_within, errors, "database", Service.POSTGRESQL, settings),
         _part(read_broker(), answer_within, errors, "broker", Service.RABBITMQ, settings),
     )
-    return Status(queues=queues, database=database, errors=errors, process=process)
+    database, processes = read if read is not None else (None, None)
+    return Status(
+        queues=queues, database=database, errors=errors, process=process, processes=processes
+    )
 
 
 async def _part(
@@ -280,24 +302,34 @@ def _unread(exc: Exception, service: Service, url: str) -> str:
 async def outbox_list(
     settings: Settings, states: Sequence[str], *, routing_key: str | None = None, limit: int
 ) -> list[inspection.OutboxEntry]:
+    """``read_outbox`` on a one-connection engine of ``settings``."""
+    return await _with_engine(
+        settings,
+        lambda engine: read_outbox(engine, states, routing_key=routing_key, limit=limit),
+    )
+
+
+async def read_outbox(
+    engine: AsyncEngine,
+    states: Sequence[str],
+    *,
+    routing_key: str | None = None,
+    limit: int,
+    after: inspection.OutboxCursor | None = None,
+) -> list[inspection.OutboxEntry]:
     """Up to ``limit`` rows of each of ``states`` (of ``inspection.OUTBOX_STATES``), of
-    ``routing_key`` if given, in the order of ``states``; read in one read-only snapshot, so a
-    row moving between states while it is read is shown once. Nothing changes."""
-
-    async def read(engine: AsyncEngine) -> list[inspection.OutboxEntry]:
-        snapshot = engine.execution_options(
-            isolation_level="REPEATABLE READ", postgresql_readonly=True
-        )
-        async with snapshot.begin() as conn:
-            return [
-                entry
-                for state in states
-                for entry in await inspection.outbox_entries(
-                    conn, state, limit, routing_key=routing_key
-                )
-            ]
-
-    return await _with_engine(settings, read)
+    ``routing_key`` if given, in the order of ``states`` (each after ``after``, a keyset
+    cursor, if given); read in one read-only snapshot, so a row moving between states while
+    it is read is shown once. Nothing changes."""
+    snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
+    async with snapshot.begin() as conn:
+        return [
+            entry
+            for state in states
+            for entry in await inspection.outbox_entries(
+                conn, state, limit, routing_key=routing_key, after=after
+            )
+        ]
 
 
 @dataclass(frozen=True)
@@ -324,6 +356,24 @@ async def retry_outbox(
     routing_key: str | None = None,
     states: Sequence[str] = inspection.RETRY_STATES,
 ) -> Retried:
+    """``retry_outbox_rows`` on a one-connection engine of ``settings``."""
+    return await _with_engine(
+        settings,
+        lambda engine: retry_outbox_rows(
+            engine, ids, routing_key=routing_key, states=states, notify=settings.outbox_notify
+        ),
+    )
+
+
+async def retry_outbox_rows(
+    engine: AsyncEngine,
+    ids: Sequence[int] | None = None,
+    *,
+    routing_key: str | None = None,
+    states: Sequence[str] = inspection.RETRY_STATES,
+    notify: bool,
+    dry_run: bool = False,
+) -> Retried:
     """Publish unpublished events again, now: those with ``ids``, else those of ``routing_key``,
     else all, of ``states`` (backing-off, parked, or both), in one transaction.
 
@@ -331,31 +381,28 @@ async def retry_outbox(
     (``inspection.hurry_outbox``); a parked row moves back into the outbox under its own
     ``message_id``, so a consumer that already got a copy deduplicates the next one, with 0
     attempts and a new outbox id (``inspection.retry_parked_outbox``: a row with an ordering key
-    goes out after the rows of its key emitted before this commit). Relays are woken at commit
-    (unless ``outbox_notify`` is off; they poll anyway).
+    goes out after the rows of its key emitted before this commit). With ``notify``
+    (``outbox_notify``), relays are woken at commit (they poll anyway). With ``dry_run`` the
+    transaction is rolled back, so the answer is exactly what a real run would have done at
+    that instant (its new outbox ids excepted: they are not kept).
     """
-
-    async def retry(engine: AsyncEngine) -> Retried:
-        notify = settings.outbox_notify
-        async with engine.begin() as conn:
-            hurried = (
-                await inspection.hurry_outbox(conn, ids, routing_key=routing_key, notify=notify)
-                if "backing-off" in states
-                else []
-            )
-            moved = (
-                await inspection.retry_parked_outbox(
-                    conn, ids, routing_key=routing_key, notify=notify
-                )
-                if "parked" in states
-                else []
-            )
-            found = {row.id for row in hurried} | {row.parked_id for row in moved}
-            rest = sorted({i for i in ids or () if i not in found})
-            due = await inspection.pending_outbox_ids(conn, rest) if rest else []
-        return Retried(hurried, moved, due, [i for i in rest if i not in due])
-
-    return await _with_engine(settings, retry)
+    async with engine.connect() as conn, conn.begin() as transaction:
+        hurried = (
+            await inspection.hurry_outbox(conn, ids, routing_key=routing_key, notify=notify)
+            if "backing-off" in states
+            else []
+        )
+        moved = (
+            await inspection.retry_parked_outbox(conn, ids, routing_key=routing_key, notify=notify)
+            if "parked" in states
+            else []
+        )
+        found = {row.id for row in hurried} | {row.parked_id for row in moved}
+        rest = sorted({i for i in ids or () if i not in found})
+        due = await inspection.pending_outbox_ids(conn, rest) if rest else []
+        if dry_run:
+            await transaction.rollback()
+    return Retried(hurried, moved, due, [i for i in rest if i not in due])
 
 
 @dataclass(frozen=True)
@@ -377,29 +424,34 @@ class Cancelled:
 async def cancel_outbox(
     settings: Settings, message_ids: Sequence[uuid.UUID], *, dry_run: bool = False
 ) -> Cancelled:
+    """``cancel_outbox_events`` on a one-connection engine of ``settings``."""
+    return await _with_engine(
+        settings, lambda engine: cancel_outbox_events(engine, message_ids, dry_run=dry_run)
+    )
+
+
+async def cancel_outbox_events(
+    engine: AsyncEngine, message_ids: Sequence[uuid.UUID], *, dry_run: bool = False
+) -> Cancelled:
     """Cancel the unpublished events ``message_ids`` (scheduled, or waiting in the outbox) with
     ``worker.sql.outbox.cancel``, all in one transaction, except a workflow's timer (see
     ``Cancelled``); with ``dry_run`` that transaction is rolled back, so the answer is exactly
     what a real run would have done at that instant."""
-
-    async def cancel(engine: AsyncEngine) -> Cancelled:
-        asked = list(dict.fromkeys(message_ids))
-        async with engine.connect() as conn, conn.begin() as transaction:
-            timers = set(await inspection.open_wait_timers(conn, asked))
-            events = [message_id for message_id in asked if message_id not in timers]
-            taken = [message_id for message_id in events if await outbox.cancel(conn, message_id)]
-            rest = [message_id for message_id in events if message_id not in taken]
-            parked = set(await inspection.parked_message_ids(conn, rest)) if rest else set()
-            if dry_run:
-                await transaction.rollback()
-        return Cancelled(
-            taken,
-            [m for m in rest if m in parked],
-            [m for m in rest if m not in parked],
-            [m for m in asked if m in timers],
-        )
-
-    return await _with_engine(settings, cancel)
+    asked = list(dict.fromkeys(message_ids))
+    async with engine.connect() as conn, conn.begin() as transaction:
+        timers = set(await inspection.open_wait_timers(conn, asked))
+        events = [message_id for message_id in asked if message_id not in timers]
+        taken = [message_id for message_id in events if await outbox.cancel(conn, message_id)]
+        rest = [message_id for message_id in events if message_id not in taken]
+        parked = set(await inspection.parked_message_ids(conn, rest)) if rest else set()
+        if dry_run:
+            await transaction.rollback()
+    return Cancelled(
+        taken,
+        [m for m in rest if m in parked],
+        [m for m in rest if m not in parked],
+        [m for m in asked if m in timers],
+    )
 
 
 async def _with_engine(settings: Settings, use: Callable[[AsyncEngine], Awaitable[_T]]) -> _T:

@@ -31,6 +31,7 @@ from worker.errors import ConfigurationError, is_transient
 from worker.ops.http import HttpServer
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
+from worker.sql.inspection import OutboxStats
 
 log = logging.getLogger("worker.ops.metrics")  # the health lines, under the logger they had
 
@@ -186,6 +187,9 @@ class Monitor:
         self._server: HttpServer | None = None
         self._inbox_due = 0.0
         self._refresh_failing = False
+        self.outbox: OutboxStats | None = None
+        """The outbox as the last round read it; None when that round could not (the
+        process's samples show it)."""
 
     @property
     def port(self) -> int | None:
@@ -241,6 +245,7 @@ class Monitor:
         """
         await self.health.probe(self.engine, self.connection, self.consuming)
         if not self.health.database:
+            self.outbox = None
             failure = self.health.database_failure
             if self.database_unreachable is not None and failure is not None:
                 self.database_unreachable(database.unreachable(failure))
@@ -248,8 +253,9 @@ class Monitor:
         now = asyncio.get_running_loop().time()
         inbox = now >= self._inbox_due
         try:
-            await self.metrics.refresh(self.engine, inbox=inbox)
+            self.outbox = await self.metrics.refresh(self.engine, inbox=inbox)
         except Exception as exc:
+            self.outbox = None
             if is_transient(exc):
                 self.health.update("database", False, exc)
             elif not self._refresh_failing:

@@ -73,8 +73,9 @@ class Metrics(Telemetry):
         for status in INBOX_STATUSES:
             self.inbox_rows.labels(status)
 
-    async def refresh(self, engine: AsyncEngine, *, inbox: bool = True) -> None:
-        """Read the gauges from the database: the outbox, and the inbox unless ``inbox`` is False.
+    async def refresh(self, engine: AsyncEngine, *, inbox: bool = True) -> inspection.OutboxStats:
+        """Read the gauges from the database: the outbox (returned, as read), and the inbox
+        unless ``inbox`` is False.
 
         Raises what the database raised (``TimeoutError`` after ``PROBE_TIMEOUT``); the gauges
         then keep their last values.
@@ -91,6 +92,7 @@ class Metrics(Telemetry):
             for status in {*INBOX_STATUSES, *gauge.counts}:
                 self.inbox_rows.labels(status).set(gauge.counts.get(status, 0))
             self.inbox_rows_estimated.set(int(gauge.estimated))
+        return outbox
 
     def render(self) -> bytes:
         """Every metric in the Prometheus text format (``CONTENT_TYPE_LATEST``)."""

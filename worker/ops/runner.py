@@ -26,6 +26,7 @@ from worker.liveness import Liveness
 from worker.ops.health import Monitor
 from worker.ops.janitor import Janitor
 from worker.ops.metrics import Metrics
+from worker.ops.samples import Role, Sampler
 from worker.settings import Settings, format_duration, redact
 from worker.transport.connection import connect
 from worker.transport.consumer import Consumer
@@ -131,18 +132,73 @@ async def _open_monitor(
     return monitor
 
 
+async def _open_sampler(
+    settings: Settings,
+    monitor: Monitor,
+    connection: AbstractRobustConnection,
+    role: Role,
+    consumer: Consumer | None = None,
+) -> Sampler | None:
+    """The process's sampler (None when ``sample_interval`` is 0), on the monitor's engine and
+    with its reads of the outbox, once it wrote its first sample (``starting``; a failed write
+    is logged, never raised)."""
+    if not settings.sample_interval:
+        return None
+    sampler = Sampler(
+        settings,
+        monitor.engine,
+        connection,
+        monitor.metrics.stats,
+        role=role,
+        outbox=lambda: monitor.outbox,
+        consumer=consumer,
+    )
+    await sampler.sample()
+    return sampler
+
+
 async def _supervise(
     settings: Settings,
     stop: asyncio.Event,
     components: dict[str, Component],
     started: asyncio.Event | None,
     before_stopping: Callable[[], Awaitable[None]] | None = None,
+    sampler: Sampler | None = None,
 ) -> None:
-    """Run ``components`` until ``stop`` is set or one of them fails, then stop them all.
+    """Run ``components`` (and ``sampler``) until ``stop`` is set or one of them fails, then
+    stop them all.
 
-    ``before_stopping`` (the consumer's drain) runs first; each component then has the grace
-    period to finish before it is cancelled. A failed component's error is raised.
+    ``before_stopping`` (the consumer's drain) runs first, once the sampler was told the process
+    drains; each component then has the grace period to finish before it is cancelled. The
+    sampler writes its last sample (``stopped``) once they all have. A failed component's error
+    is raised.
     """
+    if sampler is None:
+        await _run_components(settings, stop, components, started, before_stopping)
+        return
+
+    async def drain() -> None:
+        sampler.drain()
+        if before_stopping is not None:
+            await before_stopping()
+
+    try:
+        await _run_components(settings, stop, {**components, "sampler": sampler}, started, drain)
+    except Exception:
+        await sampler.stop(failed=True)
+        raise
+    await sampler.stop()
+
+
+async def _run_components(
+    settings: Settings,
+    stop: asyncio.Event,
+    components: dict[str, Component],
+    started: asyncio.Event | None,
+    before_stopping: Callable[[], Awaitable[None]] | None,
+) -> None:
+    """``_supervise``'s work without a sampler: ``before_stopping`` first, then each component
+    has the grace period to finish; a failed component's error is raised."""
     background_stop = asyncio.Event()
     background = [
         asyncio.create_task(component.run(background_stop), name=name)
@@ -195,6 +251,7 @@ async def run(
         # (the health endpoint listens first: a port another process holds stops the worker
         # before it takes a delivery)
         monitor = await _open_monitor(stack, settings, connection, metrics, consumer)
+        sampler = await _open_sampler(settings, monitor, connection, Role.WORKER, consumer)
         await consumer.start()
         if any(h.kind is HandlerKind.WORKFLOW for h in router.handlers()) and (
             settings.workflow_lease >= settings.retry_chain
@@ -219,7 +276,7 @@ async def run(
             )
             await consumer.stop(settings.shutdown_grace)
 
-        await _supervise(settings, stop, components, started, drain)
+        await _supervise(settings, stop, components, started, drain, sampler)
     return stats
 
 
@@ -235,7 +292,9 @@ async def run_relay(
         metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, metrics)
         monitor = await _open_monitor(stack, settings, relay.connection, metrics)
-        await _supervise(settings, stop, {"relay": relay, "monitor": monitor}, started)
+        sampler = await _open_sampler(settings, monitor, relay.connection, Role.RELAY)
+        components: dict[str, Component] = {"relay": relay, "monitor": monitor}
+        await _supervise(settings, stop, components, started, sampler=sampler)
     return stats
 
 

@@ -19,6 +19,7 @@ from sqlalchemy import (
     or_,
     select,
     text,
+    tuple_,
     update,
 )
 from sqlalchemy.dialects.postgresql import insert
@@ -262,6 +263,43 @@ RETRY_STATES = ("backing-off", "parked")
 
 
 @dataclass(frozen=True)
+class OutboxCounts:
+    """Unpublished events by state (of ``OUTBOX_STATES``), each counted exactly up to
+    ``up_to``; a count above ``up_to`` means "more than ``up_to``" (``more_than``)."""
+
+    counts: dict[str, int]
+    up_to: int
+
+    def more_than(self, state: str) -> bool:
+        """Whether ``state`` holds more rows than were counted."""
+        return self.counts[state] > self.up_to
+
+
+OUTBOX_COUNT_LIMIT = 1_000
+"""Rows ``outbox_counts`` counts at most in each state (a range of an index, never a table)."""
+
+
+def outbox_counts_query(up_to: int = OUTBOX_COUNT_LIMIT) -> Any:
+    """The statement of ``outbox_counts``: one capped count per state, each the first
+    ``up_to + 1`` entries of the index ``entries_query`` reads that state's rows from."""
+
+    def counted(state: str) -> Any:
+        entries = entries_query(state, up_to + 1)
+        first = entries.with_only_columns(entries.selected_columns.id).subquery()
+        return select(func.count()).select_from(first).scalar_subquery()
+
+    return select(*(counted(state) for state in OUTBOX_STATES))
+
+
+async def outbox_counts(conn: AsyncConnection, up_to: int = OUTBOX_COUNT_LIMIT) -> OutboxCounts:
+    """Unpublished events by state, each counted exactly up to ``up_to`` rows and read from
+    an index range that stops there: unlike ``outbox_stats``, it costs the same on an outbox
+    of millions (a backlog the relay does not keep up with)."""
+    row = (await conn.execute(outbox_counts_query(up_to))).one()
+    return OutboxCounts(dict(zip(OUTBOX_STATES, map(int, row), strict=True)), up_to)
+
+
+@dataclass(frozen=True)
 class OutboxEntry:
     """An unpublished event as ``worker outbox list`` shows it (without its body or headers).
 
@@ -300,20 +338,43 @@ def _routing_key_is(table: Any, routing_key: str | None) -> list[Any]:
     return [] if routing_key is None else [table.c.routing_key == routing_key]
 
 
+@dataclass(frozen=True)
+class OutboxCursor:
+    """Where a page of ``outbox_entries`` ends: the last row's ``available_at`` (a scheduled
+    event's ``due_at``; None for a parked row) and its id. The next page starts after it."""
+
+    at: datetime | None
+    id: int
+
+    @classmethod
+    def of(cls, entry: OutboxEntry) -> OutboxCursor:
+        """The cursor just after ``entry``."""
+        return cls(entry.available_at, entry.id)
+
+
 async def outbox_entries(
-    conn: AsyncConnection, state: str, limit: int, *, routing_key: str | None = None
+    conn: AsyncConnection,
+    state: str,
+    limit: int,
+    *,
+    routing_key: str | None = None,
+    ids: Sequence[int] | None = None,
+    after: OutboxCursor | None = None,
 ) -> list[OutboxEntry]:
-    """Up to ``limit`` rows in ``state`` (one of ``OUTBOX_STATES``), of ``routing_key`` if given.
+    """Up to ``limit`` rows in ``state`` (one of ``OUTBOX_STATES``), of ``routing_key`` if given,
+    with ``ids`` if given, after the cursor ``after`` if given.
 
     Scheduled rows come earliest due first (``due_at``, then id), pending and backing-off rows in
     the order the relay takes them (``available_at``, then id), parked rows oldest first (by id,
     the id they had in the outbox). Each is one range scan of an index
     (``ix_outbox_scheduled_due_at_id``, ``ix_outbox_available_at_id``, the parked table's primary
-    key) that stops after ``limit`` rows: cheap on an outbox of millions. A ``routing_key`` is a
-    filter on that scan (no index holds it, and one more on the outbox would cost every publish),
-    so a routing key with few rows among many reads further before it finds ``limit`` of them.
+    key) that stops after ``limit`` rows: cheap on an outbox of millions; a page after a cursor
+    starts where the previous one ended, in the same index (keyset pagination). A
+    ``routing_key`` is a filter on that scan (no index holds it, and one more on the outbox would
+    cost every publish), so a routing key with few rows among many reads further before it finds
+    ``limit`` of them.
     """
-    stmt = entries_query(state, limit, routing_key=routing_key)
+    stmt = entries_query(state, limit, routing_key=routing_key, ids=ids, after=after)
     entries = []
     for row in await conn.execute(stmt):
         values = row._asdict()
@@ -323,7 +384,14 @@ async def outbox_entries(
     return entries
 
 
-def entries_query(state: str, limit: int, *, routing_key: str | None = None) -> Any:
+def entries_query(
+    state: str,
+    limit: int,
+    *,
+    routing_key: str | None = None,
+    ids: Sequence[int] | None = None,
+    after: OutboxCursor | None = None,
+) -> Any:
     """The statement ``outbox_entries`` runs (exposed for its query plan to be checked)."""
     columns: list[Any]
     due_in: Any
@@ -356,6 +424,14 @@ def entries_query(state: str, limit: int, *, routing_key: str | None = None) -> 
         where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
         order = [table.c.available_at, table.c.id]
         columns = [table.c[name] for name in _ENTRY_COLUMNS]
+    if ids is not None:
+        where.append(table.c.id.in_(list(ids)))
+    if after is not None:
+        where.append(
+            table.c.id > after.id
+            if len(order) == 1 or after.at is None
+            else tuple_(*order) > tuple_(literal(after.at, order[0].type), literal(after.id))
+        )
     timer = table.c.headers[TIMER_HEADER].astext.label("timer")
     return select(*columns, *extra, timer).where(*where).order_by(*order).limit(limit)
 

@@ -111,6 +111,9 @@ class Consumer:
         self.connection = connection
         self.settlements = Settlements(hold=self.ack_hold, telemetry=self.telemetry)
         self._pending: list[Received] = []
+        self.taken: list[Received] = []
+        """The deliveries of the batch taken last (the process's sampler reads how long they
+        waited in the queue): set once per batch, the only cost sampling adds here."""
         self._arrived = asyncio.Event()
         self._takers: list[asyncio.Task[None]] = []
         self._in_flight: set[asyncio.Task[None]] = set()
@@ -259,6 +262,7 @@ class Consumer:
     async def _run(self, batch: list[Received]) -> None:
         if not batch:
             return
+        self.taken = batch
         task = asyncio.create_task(self.handle_batch(batch))
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)

@@ -11,8 +11,21 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from worker.console.pages import audit, dead_letters, login
+from worker.console.pages import audit, dead_letters, inbox, login, outbox, overview
 
-ROUTERS: tuple[APIRouter, ...] = (login.router, audit.router, dead_letters.router)
-NAV: tuple[tuple[str, str], ...] = (("Audit", "/audit"), ("Dead letters", "/dead-letters"))
+ROUTERS: tuple[APIRouter, ...] = (
+    login.router,
+    overview.router,
+    dead_letters.router,
+    outbox.router,
+    inbox.router,
+    audit.router,
+)
+NAV: tuple[tuple[str, str], ...] = (
+    ("Overview", "/overview"),
+    ("Dead letters", "/dead-letters"),
+    ("Outbox", "/outbox"),
+    ("Inbox", "/inbox"),
+    ("Audit", "/audit"),
+)
 """(label, path) of each page in the navigation bar."""

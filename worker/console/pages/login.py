@@ -34,14 +34,21 @@ def _next(target: str | None) -> str:
     return target
 
 
-def _login_page(request: Request, *, error: str | None = None, status: int = 200) -> Response:
+def _login_page(
+    request: Request,
+    *,
+    error: str | None = None,
+    status: int = 200,
+    next_path: str | None = None,
+) -> Response:
+    """The login form; its ``next`` is ``next_path`` (a refused login's own) or the query's."""
     value = secrets.token_urlsafe(32)
     response = render(
         request,
         "login.html",
         status=status,
         login_csrf=value,
-        next=_next(request.query_params.get("next")),
+        next=_next(request.query_params.get("next") if next_path is None else next_path),
         error=error,
     )
     response.set_cookie(
@@ -76,13 +83,19 @@ async def login(request: Request) -> Response:
     sent, kept = form.one("login_csrf") or "", request.cookies.get(LOGIN_COOKIE) or ""
     if not same_origin(request) or not kept or not hmac.compare_digest(sent, kept):
         return _login_page(
-            request, error="The form expired: log in again.", status=HTTPStatus.FORBIDDEN
+            request,
+            error="The form expired: log in again.",
+            status=HTTPStatus.FORBIDDEN,
+            next_path=form.one("next"),
         )
     user = console.accounts.user(form.one("token") or "")
     if user is None:
         console.login_failed(address)
         return _login_page(
-            request, error="That token is not accepted.", status=HTTPStatus.UNAUTHORIZED
+            request,
+            error="That token is not accepted.",
+            status=HTTPStatus.UNAUTHORIZED,
+            next_path=form.one("next"),
         )
     cookie, _ = console.sessions.start(user)
     await audit.record(console, user, "login", "", 0, "done")

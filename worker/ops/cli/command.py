@@ -5,9 +5,12 @@ collects them, and dispatch, ``--help``, the settings table and the docs derive 
 from __future__ import annotations
 
 import argparse
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from types import ModuleType
 
+from worker.errors import ConfigurationError
 from worker.settings import Group, Settings
 
 EVERY_COMMAND = (Group.DEPLOYMENT, Group.LOGGING)
@@ -61,3 +64,18 @@ class Family:
     summary: str
     description: str
     commands: tuple[Command, ...]
+
+
+def import_extra(module: str, *, command: str, extra: str, packages: frozenset[str]) -> ModuleType:
+    """``module``, whose command needs an optional extra: when one of the extra's ``packages``
+    (their top-level modules) is missing, a ``ConfigurationError`` that says which extra to
+    install; any other missing module is raised as it is."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in packages:
+            raise
+        raise ConfigurationError(
+            f"worker {command} needs the {extra} extra ({exc.name} is not installed): "
+            f"pip install 'rabbit-outbox-worker[{extra}]'"
+        ) from exc

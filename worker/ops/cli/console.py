@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from worker.errors import ConfigurationError
-from worker.ops.cli.command import Command
+from worker.ops.cli.command import Command, import_extra
 from worker.ops.cli.exits import until_signalled
 from worker.settings import Group, Settings
 
@@ -18,15 +17,9 @@ says which extra to install."""
 
 
 def _console(settings: Settings, args: argparse.Namespace) -> int:
-    try:
-        from worker.console import serve
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] not in CONSOLE_EXTRA:
-            raise
-        raise ConfigurationError(
-            f"worker console needs the console extra ({exc.name} is not installed): "
-            "pip install 'rabbit-outbox-worker[console]'"
-        ) from exc
+    serve = import_extra(
+        "worker.console.serve", command="console", extra="console", packages=CONSOLE_EXTRA
+    )
     asyncio.run(
         until_signalled(
             lambda stop, started: serve.serve(settings, stop, started=lambda _port: started.set())

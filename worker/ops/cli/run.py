@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from worker.core.router import Router
 from worker.errors import ConfigurationError
 from worker.ops import supervisor
-from worker.ops.cli.command import Command
+from worker.ops.cli.command import Command, import_extra
 from worker.ops.cli.exits import until_signalled
 from worker.ops.cli.output import show
 from worker.ops.plugins import ENTRY_POINT_GROUP, load_routers
@@ -93,15 +93,7 @@ RELAY = Command(
 
 
 def _serve(settings: Settings, args: argparse.Namespace) -> int:
-    try:
-        from worker.ingress import serve
-    except ModuleNotFoundError as exc:
-        if (exc.name or "").partition(".")[0] not in HTTP_EXTRA:
-            raise
-        raise ConfigurationError(
-            f"worker serve needs the http extra ({exc.name} is not installed): "
-            "pip install 'rabbit-outbox-worker[http]'"
-        ) from exc
+    serve = import_extra("worker.ingress.serve", command="serve", extra="http", packages=HTTP_EXTRA)
     router = _handler_modules(settings)
     asyncio.run(
         until_signalled(

@@ -13,20 +13,22 @@ from worker.ops.cli.command import Command
 from worker.ops.cli.exits import Exit
 from worker.ops.cli.output import show
 from worker.ops.plugins import load_routers
-from worker.settings import Group, Settings, duration
+from worker.settings import Group, Settings, duration, format_duration
 
 if TYPE_CHECKING:
     from worker.ops.admin import Status
+    from worker.ops.overview import ProcessView
 
 
 def _status(settings: Settings, args: argparse.Namespace) -> int:
     from worker.ops import admin
+    from worker.ops.overview import seen_within
 
     status = asyncio.run(admin.status(settings))
     if args.json:
         print(admin.to_json(status))
     else:
-        lines = _status_lines(status)
+        lines = _status_lines(status, seen_within(settings.sample_interval))
         width = max(len(label) for label, _ in lines)
         for label, value in lines:
             show(f"{label:<{width}}  {value}".rstrip())
@@ -35,12 +37,14 @@ def _status(settings: Settings, args: argparse.Namespace) -> int:
     return Exit.UNREACHABLE if status.errors else Exit.OK
 
 
-def _status_lines(status: Status) -> list[tuple[str, str]]:
-    """What ``worker status`` shows, as (label, value) lines in their order."""
+def _status_lines(status: Status, window: float) -> list[tuple[str, str]]:
+    """What ``worker status`` shows, as (label, value) lines in their order; ``window``: the
+    seconds within which a process's last sample lists it."""
     lines = [
         *_status_headline(status),
         *_status_process_lines(status),
         *_status_outbox_headline(status),
+        *_status_processes(status.processes, window),
         ("", ""),
     ]
     if status.queues is None:
@@ -110,6 +114,44 @@ def _status_process_lines(status: Status) -> list[tuple[str, str]]:
     return lines
 
 
+def _status_processes(processes: list[ProcessView] | None, window: float) -> list[tuple[str, str]]:
+    """Every worker and relay process that wrote a sample within ``window`` seconds: its state
+    and why, when it last reported, and its rate over the last minute (none when the database
+    could not be read: the lines below say so)."""
+    if processes is None:
+        return []
+    seen = f"in the last {format_duration(window)}"
+    if not processes:
+        return [("", ""), ("processes", f"none reported {seen} (see sample_interval)")]
+    lines = [("", ""), ("processes", f"{len(processes)} reported {seen}")]
+    for process in processes:
+        lines.append((f"{process.role} {process.host}:{process.pid}", _process_line(process)))
+    return lines
+
+
+def _process_line(process: ProcessView) -> str:
+    """``consuming; reported 2s ago; 120.5 processed/s; up 3m``: a relay's rate is what it
+    published, a worker's what it processed; ``-`` until two samples are a minute apart."""
+    state = process.state + (f" ({process.reason})" if process.reason else "")
+    if process.role == "relay":
+        rate, unit = process.rates.published, "published/s"
+    else:
+        rate, unit = process.rates.processed, "processed/s"
+    shown = "-" if rate is None else f"{rate:.1f}"
+    return (
+        f"{state}; reported {process.reported_seconds_ago:.0f}s ago; {shown} {unit}; "
+        f"up {_age(process.up_seconds)}"
+    )
+
+
+def _age(seconds: float) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d``: the largest whole unit."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
 def _status_outbox_headline(status: Status) -> list[tuple[str, str]]:
     if status.database is None:
         return []
@@ -127,13 +169,15 @@ def _status_options(parser: argparse.ArgumentParser) -> None:
 STATUS = Command(
     "status",
     _status,
-    "one overview: queues, outbox, inbox keys and workflows in progress",
+    "one overview: processes, queues, outbox, inbox keys and workflows in progress",
     "Message and consumer counts of the work queue, the DLQ and each retry queue (passive "
     "declares: nothing is created); the outbox backlog, its oldest row's age, rows waiting "
     "for a retry, rows parked and events scheduled for later (estimated above 100,000, "
     "shown ~N; with how long the earliest due one is overdue); inbox keys by status; "
     "workflows in progress, how many of them wait (for a signal or a deadline: on purpose), "
-    "and the least recently advanced one that does not wait. Exits 3, after showing what "
+    "and the least recently advanced one that does not wait; every worker and relay process "
+    "that wrote a sample within three sample intervals: its state and why, when it reported, its "
+    "rate over the last minute. Exits 3, after showing what "
     "it could read and why the rest could not be read, when PostgreSQL or RabbitMQ cannot be "
     "read.",
     reads=(Group.RETRIES, Group.ENDPOINT),
