@@ -8,10 +8,10 @@ forced, an unverified copy and one parked longer ago than ``inbox_retention``; a
 takes an unverified copy for what its headers claim). A view or an action takes at most
 ``dlq.SCAN_LIMIT`` messages from the queue and says so when it held more; the console runs one
 of them at a time (two sweeps at once would each hide from the other the messages it holds
-unacked). An action confirmed after a preview leaves what was parked since the preview. Every
-value that came with a message reaches the page through ``{{ }}`` after ``logs.printable``, so
-neither markup nor control characters nor bidirectional overrides take effect; a body's bytes
-that are not UTF-8 are shown as ``\\xNN``.
+unacked). An action confirmed after a preview leaves what was parked since the preview; its
+result page is its audit entry. Every value that came with a message reaches the page through
+``{{ … | visible }}``, so neither markup nor control, invisible or bidirectional characters take
+effect; a body's bytes that are not UTF-8 are shown as ``\\xNN``.
 """
 
 from __future__ import annotations
@@ -20,19 +20,17 @@ import asyncio
 import codecs
 import contextlib
 import re
-import secrets
 import weakref
-from collections import OrderedDict
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from http import HTTPStatus
-from typing import Any
+from typing import Annotated, Any
 from urllib.parse import quote, urlencode
 
 from aio_pika.abc import AbstractRobustConnection
 from aio_pika.exceptions import ChannelNotFoundEntity
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Path, Query
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
@@ -42,6 +40,7 @@ from worker.console.guard import Form, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.ops import dlq
+from worker.sql import audit as audit_table
 
 router = APIRouter()
 
@@ -58,64 +57,28 @@ MAX_FILTER = 512
 """Characters a filter (key, handler) may have: a key has at most 512."""
 MAX_IDS = 1000
 """Messages a selection by id may name."""
-MAX_RESULTS = 100
-"""Results of actions kept for their result page (the oldest is forgotten first)."""
 ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|sha256:[0-9a-f]{16}")
 """What a parked message's id looks like (``dlq.Parked.id``)."""
 VERBS = {"replay": "replayed", "purge": "purged"}
-"""The actions, and what their result says they did."""
+"""The actions, and what their result says they did (audited as ``dlq <action>``)."""
 
 
-@dataclass(frozen=True)
-class Result:
-    """What a confirmed action did, for its result page (its user's only)."""
-
-    user: str
-    verb: str
-    target: str
-    forced: bool
-    done: list[tuple[str, str, int]]
-    refused: list[tuple[str, int]]
-    done_count: int
-    refused_count: int
-    scanned: int
-    more: bool
-    at: datetime = field(default_factory=lambda: datetime.now(UTC))
+_locks: weakref.WeakKeyDictionary[Console, asyncio.Lock] = weakref.WeakKeyDictionary()
 
 
-class Desk:
-    """What the dead-letter pages of one console share: the lock that lets one sweep of the
-    DLQ run at a time, and the results of the latest actions."""
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.results: OrderedDict[str, Result] = OrderedDict()
-
-    def keep(self, result: Result) -> str:
-        """Keep ``result``; the random token its page is found by."""
-        token = secrets.token_urlsafe(16)
-        self.results[token] = result
-        while len(self.results) > MAX_RESULTS:
-            self.results.popitem(last=False)
-        return token
-
-
-_desks: weakref.WeakKeyDictionary[Console, Desk] = weakref.WeakKeyDictionary()
-
-
-def desk_of(console: Console) -> Desk:
-    """The ``Desk`` of ``console``, made on first use."""
-    desk = _desks.get(console)
-    if desk is None:
-        desk = _desks[console] = Desk()
-    return desk
+def sweep_lock(console: Console) -> asyncio.Lock:
+    """The lock that lets one sweep of ``console``'s DLQ run at a time, made on first use."""
+    lock = _locks.get(console)
+    if lock is None:
+        lock = _locks[console] = asyncio.Lock()
+    return lock
 
 
 @contextlib.asynccontextmanager
 async def _sweeping(console: Console) -> AsyncIterator[AbstractRobustConnection]:
     """The broker connection, for one sweep of the DLQ at a time (see the module's invariant);
     a broker that cannot be reached is a 503, a DLQ that does not exist a 404."""
-    async with desk_of(console).lock:
+    async with sweep_lock(console):
         try:
             connection = await console.broker()
         except Exception as exc:
@@ -148,7 +111,7 @@ def selection_of(key: str | None, reason: str | None, handler: str | None) -> dl
     if reason is not None and reason not in dlq.REASONS:
         raise HTTPException(
             HTTPStatus.BAD_REQUEST,
-            f"unknown reason {logs.printable(reason)!r}; the reasons are: {', '.join(dlq.REASONS)}",
+            f"unknown reason {reason!r}; the reasons are: {', '.join(dlq.REASONS)}",
         )
     return dlq.Selection(
         key=_filter(key, "key"), reason=reason, handler=_filter(handler, "handler")
@@ -181,7 +144,6 @@ def _context(request: Request, session_may_act: bool) -> dict[str, Any]:
         "work_queue": settings.queue,
         "scan_limit": dlq.SCAN_LIMIT,
         "may_act": session_may_act,
-        "printable": logs.printable,
         "message_url": message_url,
         "reasons": dlq.REASONS,
         "no_handler": dlq.NO_HANDLER,
@@ -272,11 +234,11 @@ async def messages_page(
 
 
 def body_text(body: bytes, *, cut: bool) -> str:
-    """``body`` (its first bytes when ``cut``) as text to show: decoded as UTF-8, each byte that
-    is not UTF-8 as ``\\xNN`` (a character cut short at the end of a cut body left out), every
-    control character escaped (``logs.printable``), its line breaks kept."""
+    """``body`` (its first bytes when ``cut``) as text: decoded as UTF-8, each byte that is not
+    UTF-8 as ``\\xNN``, a character cut short at the end of a cut body left out (the template
+    shows the text ``visible``)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="backslashreplace")
-    return logs.printable_lines(decoder.decode(body, final=not cut))
+    return decoder.decode(body, final=not cut)
 
 
 def is_utf8(body: bytes) -> bool:
@@ -288,9 +250,9 @@ def is_utf8(body: bytes) -> bool:
 
 
 def shown_value(value: object, *, full: bool) -> tuple[str, bool]:
-    """A header's or property's value to show, on one line (``logs.printable``), cut to
-    ``HEADER_CHARS`` unless ``full``; and whether it was cut."""
-    text = logs.printable(dlq.header_text(value))
+    """A header's value as text (``dlq.header_text``), cut to ``HEADER_CHARS`` unless ``full``;
+    and whether it was cut."""
+    text = dlq.header_text(value)
     if full or len(text) <= HEADER_CHARS:
         return text, False
     return text[:HEADER_CHARS], True
@@ -326,9 +288,9 @@ async def message_page(
     for name, value in shown.headers.items():
         text, cut = shown_value(value, full=full)
         cut_headers = cut_headers or cut
-        headers.append((logs.printable(name), text, cut))
+        headers.append((name, text, cut))
     properties = [
-        (name, shown_value(value, full=True)[0])
+        (name, dlq.header_text(value))
         for name, value in shown.properties.items()
         if value is not None
     ]
@@ -481,12 +443,13 @@ def _moment(value: str | None) -> datetime:
 
 
 def _detail(chosen: Chosen, tally: dlq.Tally, scan: dlq.Scan) -> Mapping[str, Any]:
-    """The audit entry's detail: what was refused and why, what was done by group, how much
-    of the queue was scanned."""
+    """The audit entry's detail, which the result page shows: what was done by reason and
+    handler, what was refused and why, whether forced, how much of the queue was read (and the
+    ids, for a selection of ids)."""
     detail: dict[str, Any] = {
         "refused": tally.refused_count,
-        "refused_by": dict(tally.refused),
-        "done_by": {f"{reason} handler={handler}": n for reason, handler, n in _by_group(tally)},
+        "done_by": [list(group) for group in _by_group(tally)],
+        "refused_by": [[why, count] for why, count in tally.refused.most_common()],
         "force": chosen.force,
         "scanned": scan.taken,
         "more": scan.more,
@@ -528,37 +491,27 @@ async def confirm(request: Request, action: OperatorAction) -> Response:
             f"the {chosen.verb} stopped ({why}) after {tally.done_count} message(s): "
             "the audit has the entry",
         ) from exc
-    await audit.record(
+    entry = await audit.record(
         console, user, name, chosen.target, tally.done_count, "done", _detail(chosen, tally, scan)
     )
-    token = desk_of(console).keep(
-        Result(
-            user=user.name,
-            verb=chosen.verb,
-            target=chosen.target,
-            forced=chosen.force,
-            done=_by_group(tally),
-            refused=tally.refused.most_common(),
-            done_count=tally.done_count,
-            refused_count=tally.refused_count,
-            scanned=scan.taken,
-            more=scan.more,
-        )
-    )
-    return RedirectResponse(f"/dead-letters/done/{token}", HTTPStatus.SEE_OTHER)
+    return RedirectResponse(f"/dead-letters/done/{entry}", HTTPStatus.SEE_OTHER)
 
 
-@router.get("/dead-letters/done/{token}")
-async def done_page(request: Request, session: Viewer, token: str) -> Response:
-    result = desk_of(console_of(request)).results.get(token)
-    if result is None or result.user != session.user.name:
-        raise HTTPException(
-            HTTPStatus.NOT_FOUND, "this result is no longer kept: the audit has every action"
-        )
+@router.get("/dead-letters/done/{entry_id}")
+async def done_page(
+    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1)]
+) -> Response:
+    """A replay's or a purge's result: its audit entry."""
+    async with console_of(request).engine.connect() as conn:
+        found = await audit_table.page(conn, before=entry_id + 1, limit=1)
+    actions = {f"dlq {verb}": verb for verb in VERBS}
+    if not found or found[0].id != entry_id or found[0].action not in actions:
+        raise HTTPException(HTTPStatus.NOT_FOUND, "no such action on the dead letters")
+    entry = found[0]
     return render(
         request,
         "dead_letters_done.html",
-        result=result,
-        did=VERBS[result.verb],
+        entry=entry,
+        did=VERBS[actions[entry.action]],
         **_context(request, session.user.may_act),
     )
