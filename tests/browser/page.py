@@ -5,6 +5,7 @@ writes the documentation's pictures when ``WORKER_CONSOLE_SCREENSHOTS=1``."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES = ROOT / "docs" / "images"
 WAIT = 15.0
 """Seconds a step waits for the page it expects."""
+LONGEST_SCREENSHOT = 2000
+"""Pixels a screenshot of a whole page is cut to."""
 
 T = TypeVar("T")
 
@@ -65,6 +68,16 @@ class Page:
 
         await self._run(WebDriverWait(self.driver, WAIT).until, there)
 
+    async def wait_for_path_under(self, prefix: str) -> str:
+        """Wait until the browser is on a path that starts with ``prefix``; that path."""
+
+        def there(driver: WebDriver) -> str | bool:
+            path = urlsplit(driver.current_url).path
+            return path if path.startswith(prefix) else False
+
+        found: str = await self._run(WebDriverWait(self.driver, WAIT).until, there)
+        return found
+
     async def wait_for_text(self, css: str, text: str) -> str:
         """Wait until an element matching ``css`` shows ``text``; the element's whole text."""
 
@@ -104,6 +117,26 @@ class Page:
         """Run ``source`` in the page (through the driver: as a user's devtools would)."""
         return await self._run(self.driver.execute_script, source, *args)
 
+    async def wait_for(self, source: str, *args: Any, timeout: float = WAIT) -> Any:
+        """Wait until the script ``source`` (run in the page, as ``script`` runs it) returns
+        something true; that value."""
+
+        def returned(driver: WebDriver) -> Any:
+            return driver.execute_script(source, *args)
+
+        return await self._run(WebDriverWait(self.driver, timeout).until, returned)
+
+    async def click_and_wait(self, css: str, path: str) -> None:
+        """Click the element matching ``css`` and wait for the page at ``path`` it leads to."""
+        await self.click(css)
+        await self.wait_for_path(path)
+
+    async def bypass_csp(self, bypass: bool) -> None:
+        """Have the browser ignore the Content-Security-Policy of the pages it loads from now on
+        (or obey it again): a test of the escaping alone, which the policy would otherwise back
+        up (an inline script that slipped through would be blocked, not run)."""
+        await self._run(self.driver.execute_cdp_cmd, "Page.setBypassCSP", {"enabled": bypass})
+
     async def source(self) -> str:
         """The page's HTML as the browser holds it now."""
         return str(await self._run(lambda: self.driver.page_source))
@@ -121,10 +154,32 @@ class Page:
 
         await self._run(WebDriverWait(self.driver, WAIT).until, logged_in)
 
-    async def screenshot(self, name: str) -> Path:
-        """Save what the browser shows (see ``screenshot_path``); its path."""
+    async def screenshot(self, name: str, *, whole: bool = False) -> Path:
+        """Save what the browser shows (see ``screenshot_path``), or with ``whole`` the whole
+        page down to its end (at most ``LONGEST_SCREENSHOT`` pixels); its path."""
         path = screenshot_path(name, self.tmp_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        saved = await self._run(self.driver.save_screenshot, str(path))
-        assert saved, f"no screenshot saved at {path}"
+        if not whole:
+            saved = await self._run(self.driver.save_screenshot, str(path))
+            assert saved, f"no screenshot saved at {path}"
+            return path
+        width, height = await self.script(
+            "return [window.innerWidth, document.documentElement.scrollHeight];"
+        )
+        shot = await self._run(
+            self.driver.execute_cdp_cmd,
+            "Page.captureScreenshot",
+            {
+                "format": "png",
+                "captureBeyondViewport": True,
+                "clip": {
+                    "x": 0,
+                    "y": 0,
+                    "width": width,
+                    "height": min(height, LONGEST_SCREENSHOT),
+                    "scale": 1,
+                },
+            },
+        )
+        path.write_bytes(base64.b64decode(shot["data"]))
         return path
