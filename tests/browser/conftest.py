@@ -20,7 +20,6 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from tests.browser.page import Page
-from tests.integration import console_probe
 from tests.integration.conftest import (  # the integration tests' database, broker and names
     amqp,
     clean_tables,
@@ -78,13 +77,10 @@ def driver() -> Iterator[WebDriver]:
 
 
 @pytest.fixture
-async def console(
-    settings: Settings, monkeypatch: pytest.MonkeyPatch
-) -> AsyncIterator[RunningConsole]:
-    """The console for this test (with ``console_probe``'s operator action beside its pages)."""
-    with console_probe.with_probe(monkeypatch):
-        async with running_console(settings) as running:
-            yield running
+async def console(settings: Settings) -> AsyncIterator[RunningConsole]:
+    """The console for this test, on its database and broker names."""
+    async with running_console(settings) as running:
+        yield running
 
 
 @pytest.fixture
