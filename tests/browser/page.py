@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.ui import WebDriverWait
@@ -47,6 +48,13 @@ class Page:
     async def _run(self, call: Callable[..., T], *args: Any) -> T:
         return await asyncio.to_thread(call, *args)
 
+    def _waiting(self, timeout: float = WAIT) -> WebDriverWait[WebDriver]:
+        """A wait of ``timeout`` seconds that tries again when the page it looked at was
+        replaced meanwhile (a navigation under way, a live part refreshed)."""
+        return WebDriverWait(
+            self.driver, timeout, ignored_exceptions=(StaleElementReferenceException,)
+        )
+
     async def clear_cookies(self) -> None:
         """Forget every cookie of every site (a test starts logged out everywhere)."""
         await self._run(self.driver.execute_cdp_cmd, "Network.clearBrowserCookies", {})
@@ -66,7 +74,7 @@ class Page:
         def there(driver: WebDriver) -> bool:
             return urlsplit(driver.current_url).path == path
 
-        await self._run(WebDriverWait(self.driver, WAIT).until, there)
+        await self._run(self._waiting().until, there)
 
     async def wait_for_path_under(self, prefix: str) -> str:
         """Wait until the browser is on a path that starts with ``prefix``; that path."""
@@ -75,7 +83,7 @@ class Page:
             path = urlsplit(driver.current_url).path
             return path if path.startswith(prefix) else False
 
-        found: str = await self._run(WebDriverWait(self.driver, WAIT).until, there)
+        found: str = await self._run(self._waiting().until, there)
         return found
 
     async def wait_for_text(self, css: str, text: str) -> str:
@@ -87,7 +95,7 @@ class Page:
                     return str(element.text)
             return False
 
-        found: str = await self._run(WebDriverWait(self.driver, WAIT).until, shown)
+        found: str = await self._run(self._waiting().until, shown)
         return found
 
     async def text(self, css: str) -> str:
@@ -124,7 +132,7 @@ class Page:
         def returned(driver: WebDriver) -> Any:
             return driver.execute_script(source, *args)
 
-        return await self._run(WebDriverWait(self.driver, timeout).until, returned)
+        return await self._run(self._waiting(timeout).until, returned)
 
     async def click_and_wait(self, css: str, path: str) -> None:
         """Click the element matching ``css`` and wait for the page at ``path`` it leads to."""
@@ -152,7 +160,7 @@ class Page:
         def logged_in(driver: WebDriver) -> bool:
             return urlsplit(driver.current_url).path != "/login"
 
-        await self._run(WebDriverWait(self.driver, WAIT).until, logged_in)
+        await self._run(self._waiting().until, logged_in)
 
     async def screenshot(self, name: str, *, whole: bool = False) -> Path:
         """Save what the browser shows (see ``screenshot_path``), or with ``whole`` the whole
