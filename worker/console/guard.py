@@ -36,6 +36,9 @@ from worker.ingress.edge import host_allowed
 MAX_FORM_BYTES = 256 * 1024
 """Bytes a form's body may have (a selection of a thousand dead letters' ids fits)."""
 MAX_FORM_FIELDS = 5000
+MAX_ID = 2**63 - 1
+"""The largest id a page's path, query or form may name: a ``BIGINT``'s. PostgreSQL refuses a
+larger parameter outright, so a larger id is refused (400) before it reaches a statement."""
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"

@@ -36,7 +36,7 @@ from starlette.responses import RedirectResponse, Response
 
 from worker import logs
 from worker.console import audit
-from worker.console.guard import Form, OperatorAction, Viewer
+from worker.console.guard import MAX_ID, Form, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.ops import dlq
@@ -499,7 +499,7 @@ async def confirm(request: Request, action: OperatorAction) -> Response:
 
 @router.get("/dead-letters/done/{entry_id}")
 async def done_page(
-    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1)]
+    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1, lt=MAX_ID)]
 ) -> Response:
     """A replay's or a purge's result: its audit entry."""
     async with console_of(request).engine.connect() as conn:

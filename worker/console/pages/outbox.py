@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from worker.console import audit
-from worker.console.guard import Action, OperatorAction, Viewer
+from worker.console.guard import MAX_ID, Action, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.logs import describe_error
@@ -78,7 +78,7 @@ async def outbox_page(
     state: str | None = None,
     routing_key: Annotated[str | None, Query(max_length=MAX_ROUTING_KEY)] = None,
     after_at: datetime | None = None,
-    after_id: Annotated[int | None, Query(ge=0)] = None,
+    after_id: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
 ) -> Response:
     if state is not None and state not in inspection.OUTBOX_STATES:
         raise HTTPException(HTTPStatus.NOT_FOUND, "no such state of the outbox")
@@ -136,7 +136,7 @@ async def row_page(
     request: Request,
     session: Viewer,
     state: str,
-    row_id: Annotated[int, Path(ge=0)],
+    row_id: Annotated[int, Path(ge=0, le=MAX_ID)],
     full: bool = False,
 ) -> Response:
     if state not in TABLES:
@@ -176,7 +176,7 @@ def _ids(action: Action) -> list[int]:
         ids = [int(raw) for raw in action.form.all("id")]
     except ValueError:
         raise HTTPException(HTTPStatus.BAD_REQUEST, "a selected id is not a number") from None
-    if any(i < 0 for i in ids):
+    if any(not 0 <= i <= MAX_ID for i in ids):
         raise HTTPException(HTTPStatus.BAD_REQUEST, "a selected id is not a row's id")
     return list(dict.fromkeys(ids))
 
@@ -393,7 +393,7 @@ VERBS = ("outbox.retry", "outbox.hurry", "outbox.cancel")
 
 @router.get("/outbox/done/{entry_id}")
 async def done_page(
-    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1)]
+    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1, lt=MAX_ID)]
 ) -> Response:
     async with console_of(request).engine.connect() as conn:
         found = await audit_table.page(conn, before=entry_id + 1, limit=1)
