@@ -1,6 +1,7 @@
 """The console against what an attacker sends and what a tired operator configures, each test a
 flaw found in review and fixed: ids past what PostgreSQL's ``BIGINT`` holds refused as a bad
-request (never a server error).
+request (never a server error); ``WORKER_CONSOLE_URL`` written with its default port or in
+capitals still letting its users log in.
 """
 
 from __future__ import annotations
@@ -12,11 +13,16 @@ from tests.helpers import rows
 from tests.integration.console_support import (
     OPERATOR_TOKEN,
     VIEWER_TOKEN,
+    csrf_of,
     logged_in,
     running_console,
 )
-from tests.integration.test_console_security import assert_secured
-from worker.settings import Settings
+from tests.integration.test_console_security import (
+    anonymous_client,
+    assert_secured,
+    cookie_attributes,
+)
+from worker.settings import Settings, field
 
 PAST_BIGINT = str(2**63)
 """An id no ``BIGINT`` holds: PostgreSQL refuses it as a parameter."""
@@ -55,3 +61,58 @@ async def test_a_ticked_row_id_past_a_bigint_is_a_bad_request_not_an_audited_fai
     assert answer.status_code == 400, answer.text
     assert "not a row&#39;s id" in answer.text
     assert await rows(engine, "SELECT action FROM console_audit WHERE action <> 'login'") == []
+
+
+@pytest.mark.parametrize(
+    "configured",
+    [
+        "https://console.example.com:443",
+        "https://Console.Example.COM",
+        "HTTPS://console.example.com/",
+    ],
+)
+async def test_a_console_url_with_its_default_port_or_capitals_still_takes_a_login(
+    settings: Settings, configured: str
+) -> None:
+    # Given WORKER_CONSOLE_URL as an operator may well write it (read as the variable is)
+    console_url = field("console_url").parse(configured)
+    async with anonymous_client(settings.replace(console_url=console_url)) as client:
+        form = await client.get("/login", headers={"host": "console.example.com"})
+        login_cookie, _ = cookie_attributes(form, "worker-console-login")
+        # When a browser at that address logs in: it names the origin as browsers serialize it
+        # (lower case, no default port)
+        answer = await client.post(
+            "/login",
+            data={"login_csrf": csrf_of(form.text), "token": OPERATOR_TOKEN, "next": "/"},
+            headers={
+                "host": "console.example.com",
+                "origin": "https://console.example.com",
+                "cookie": f"worker-console-login={login_cookie}",
+            },
+        )
+    # Then the login is taken (not refused as a form from another origin), with a Secure cookie
+    assert answer.status_code == 303, answer.text
+    _, attributes = cookie_attributes(answer, "__Host-worker-console")
+    assert "secure" in attributes
+
+
+async def test_a_console_url_with_another_port_still_refuses_the_default_one(
+    settings: Settings,
+) -> None:
+    # Given a console reached at https://console.example.com:8443
+    console_url = field("console_url").parse("https://console.example.com:8443")
+    async with anonymous_client(settings.replace(console_url=console_url)) as client:
+        form = await client.get("/login", headers={"host": "console.example.com"})
+        login_cookie, _ = cookie_attributes(form, "worker-console-login")
+        # When a form posted from the same host's default port (another origin) logs in
+        answer = await client.post(
+            "/login",
+            data={"login_csrf": csrf_of(form.text), "token": OPERATOR_TOKEN, "next": "/"},
+            headers={
+                "host": "console.example.com",
+                "origin": "https://console.example.com",
+                "cookie": f"worker-console-login={login_cookie}",
+            },
+        )
+    # Then it is refused: the port is part of the origin
+    assert answer.status_code == 403, answer.text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -52,8 +52,8 @@ class Console:
         self.allowed_hosts = LOCAL_HOSTS | (
             {(url.hostname or "").lower()} if url is not None else set()
         )
-        self.origin = settings.console_url or None
-        """The origin a browser names on a POST (``console_url``); None: the request's Host."""
+        self.origin = None if url is None else origin_of(url)
+        """The origin a browser names on a POST (``console_url``'s); None: the request's Host."""
 
     @property
     def cookie_name(self) -> str:
@@ -99,6 +99,21 @@ class Console:
         self._failures.move_to_end(address)
         while len(self._failures) > MAX_TRACKED_ADDRESSES:
             self._failures.popitem(last=False)
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_of(url: SplitResult) -> str:
+    """The origin a browser names in ``Origin`` for pages of ``url``, as it serializes one:
+    scheme and host in lower case, the scheme's default port left out
+    (``HTTPS://Console.Example.com:443`` is ``https://console.example.com``)."""
+    scheme = url.scheme.lower()
+    host = (url.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = url.port
+    return f"{scheme}://{host}" + ("" if port in (None, DEFAULT_PORTS.get(scheme)) else f":{port}")
 
 
 def console_of(request: Request) -> Console:
