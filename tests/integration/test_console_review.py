@@ -1,7 +1,8 @@
 """The console against what an attacker sends and what a tired operator configures, each test a
 flaw found in review and fixed: ids past what PostgreSQL's ``BIGINT`` holds refused as a bad
 request (never a server error); ``WORKER_CONSOLE_URL`` written with its default port or in
-capitals still letting its users log in.
+capitals still letting its users log in; the audit showing a target's invisible and
+bidirectional characters as escapes, as every other page does.
 """
 
 from __future__ import annotations
@@ -116,3 +117,23 @@ async def test_a_console_url_with_another_port_still_refuses_the_default_one(
         )
     # Then it is refused: the port is part of the origin
     assert answer.status_code == 403, answer.text
+
+
+async def test_the_audit_shows_a_target_s_bidirectional_and_control_characters_as_escapes(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    # Given a routing key that reads backwards from its U+202E on (a link an attacker sent the
+    # operator: /outbox?state=parked&routing_key=...), with a terminal escape in it
+    routing_key = "invoice\u202egnp.exe\x1b[2J"
+    async with running_console(settings) as console, logged_in(console, OPERATOR_TOKEN) as operator:
+        # When the operator retries every parked row of it, and opens the audit
+        done = await operator.post("/outbox/retry", {"routing_key": routing_key})
+        assert done.status_code == 303, done.text
+        page = await operator.client.get("/audit")
+    # Then the entry keeps the target as chosen, and the page shows its characters as escapes:
+    # nothing in the audit reads otherwise than it was written
+    [(target,)] = await rows(engine, "SELECT target FROM console_audit WHERE action <> 'login'")
+    assert target == f"parked rows of routing key {routing_key}"
+    assert "\u202e" not in page.text
+    assert "\x1b" not in page.text
+    assert "invoice\\u202egnp.exe\\u001b[2J" in page.text
