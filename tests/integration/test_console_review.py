@@ -2,15 +2,22 @@
 flaw found in review and fixed: ids past what PostgreSQL's ``BIGINT`` holds refused as a bad
 request (never a server error); ``WORKER_CONSOLE_URL`` written with its default port or in
 capitals still letting its users log in; the audit showing a target's invisible and
-bidirectional characters as escapes, as every other page does.
+bidirectional characters as escapes, as every other page does; views of the dead letters that
+queue for the one sweep at a time bounded, so no user can make every other page wait.
 """
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
+import httpx
 import pytest
+from aio_pika.abc import AbstractRobustConnection
+from fastapi import FastAPI
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import rows
+from tests.helpers import rows, wait_until
 from tests.integration.console_support import (
     OPERATOR_TOKEN,
     VIEWER_TOKEN,
@@ -23,8 +30,14 @@ from tests.integration.test_console_security import (
     assert_secured,
     cookie_attributes,
 )
+from worker.console import serve
+from worker.console.pages import dead_letters
 from worker.settings import Settings, field
+from worker.transport.topology import declare_topology
 
+ANSWER_WITHIN = 20.0
+"""Seconds a request the console should answer at once is given before the test fails (a bound
+on a hang, not a measure of speed)."""
 PAST_BIGINT = str(2**63)
 """An id no ``BIGINT`` holds: PostgreSQL refuses it as a parameter."""
 
@@ -137,3 +150,63 @@ async def test_the_audit_shows_a_target_s_bidirectional_and_control_characters_a
     assert "\u202e" not in page.text
     assert "\x1b" not in page.text
     assert "invoice\\u202egnp.exe\\u001b[2J" in page.text
+
+
+@pytest.fixture
+def served_apps(monkeypatch: pytest.MonkeyPatch) -> list[FastAPI]:
+    """The applications ``running_console`` serves in this test, to reach their state."""
+    made: list[FastAPI] = []
+    create_app = serve.create_app
+
+    def keep(*args: Any, **kwargs: Any) -> FastAPI:
+        made.append(create_app(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(serve, "create_app", keep)
+    return made
+
+
+async def test_views_of_the_dead_letters_wait_in_a_bounded_line_and_the_rest_still_answer(
+    settings: Settings, served_apps: list[FastAPI], amqp: AbstractRobustConnection
+) -> None:
+    async with amqp.channel() as channel:
+        await declare_topology(channel, settings, [])
+    async with (
+        running_console(settings) as console,
+        logged_in(console, VIEWER_TOKEN) as viewer,
+        logged_in(console, OPERATOR_TOKEN) as operator,
+    ):
+        sweeps = dead_letters.sweeps_of(served_apps[0].state.console)
+        # Given a sweep of the DLQ in progress (a view of 10,000 messages takes seconds)
+        await sweeps.lock.acquire()
+        try:
+            # And views of it waiting their turn, as many as may wait
+            waiting = [
+                asyncio.create_task(viewer.client.get("/dead-letters"))
+                for _ in range(dead_letters.MAX_WAITING_VIEWS)
+            ]
+
+            async def all_wait() -> bool:
+                return sweeps.waiting_views == dead_letters.MAX_WAITING_VIEWS
+
+            await wait_until(all_wait)
+            # When a user asks for yet another view, and an operator previews a purge
+            refused = await asyncio.wait_for(
+                viewer.client.get("/dead-letters/messages"), ANSWER_WITHIN
+            )
+            previewing = asyncio.create_task(
+                operator.post("/dead-letters/preview", {"action": "purge", "scope": "filter"})
+            )
+            # Then that view is answered at once, 503, saying why; other pages still answer
+            assert refused.status_code == 503, refused.text
+            assert "ask again in a few seconds" in refused.text
+            audit = await asyncio.wait_for(viewer.client.get("/audit"), ANSWER_WITHIN)
+            assert audit.status_code == 200
+            assert not any(task.done() for task in [*waiting, previewing])
+        finally:
+            sweeps.lock.release()
+        # And once the sweep ends, every view that waited and the operator's preview are served
+        answers: list[httpx.Response] = await asyncio.wait_for(
+            asyncio.gather(*waiting, previewing), ANSWER_WITHIN * 3
+        )
+        assert [answer.status_code for answer in answers] == [200] * len(answers)

@@ -22,7 +22,7 @@ import contextlib
 import re
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Annotated, Any
@@ -63,22 +63,65 @@ VERBS = {"replay": "replayed", "purge": "purged"}
 """The actions, and what their result says they did (audited as ``dlq <action>``)."""
 
 
-_locks: weakref.WeakKeyDictionary[Console, asyncio.Lock] = weakref.WeakKeyDictionary()
+MAX_WAITING_VIEWS = 4
+"""Views of the DLQ (pages asked for by a GET) that wait at most while another sweep runs; one
+more is answered 503 at once. Each view is a sweep of up to ``dlq.SCAN_LIMIT`` messages, seconds
+long, so without this bound anyone logged in could queue views until every request the console
+serves at once (``ingress_max_requests``) waited for the DLQ, and no other page answered. An
+operator's preview or confirmation is never refused for it: it waits behind these few."""
 
 
-def sweep_lock(console: Console) -> asyncio.Lock:
-    """The lock that lets one sweep of ``console``'s DLQ run at a time, made on first use."""
-    lock = _locks.get(console)
-    if lock is None:
-        lock = _locks[console] = asyncio.Lock()
-    return lock
+@dataclass
+class Sweeps:
+    """The sweeps of one console's DLQ: the lock that lets one run at a time, and how many views
+    wait for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting_views: int = 0
+
+
+_sweeps: weakref.WeakKeyDictionary[Console, Sweeps] = weakref.WeakKeyDictionary()
+
+
+def sweeps_of(console: Console) -> Sweeps:
+    """``console``'s ``Sweeps``, made on first use."""
+    sweeps = _sweeps.get(console)
+    if sweeps is None:
+        sweeps = _sweeps[console] = Sweeps()
+    return sweeps
 
 
 @contextlib.asynccontextmanager
-async def _sweeping(console: Console) -> AsyncIterator[AbstractRobustConnection]:
-    """The broker connection, for one sweep of the DLQ at a time (see the module's invariant);
-    a broker that cannot be reached is a 503, a DLQ that does not exist a 404."""
-    async with sweep_lock(console):
+async def _turn(console: Console, *, view: bool) -> AsyncIterator[None]:
+    """Hold the sweep lock of ``console``'s DLQ; a view is refused (503) rather than wait behind
+    ``MAX_WAITING_VIEWS`` others."""
+    sweeps = sweeps_of(console)
+    if view and sweeps.waiting_views >= MAX_WAITING_VIEWS:
+        raise HTTPException(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"the dead-letter queue is being read, and {MAX_WAITING_VIEWS} more views of it "
+            "wait their turn: ask again in a few seconds",
+        )
+    waiting = 1 if view else 0
+    sweeps.waiting_views += waiting
+    try:
+        await sweeps.lock.acquire()
+    finally:
+        sweeps.waiting_views -= waiting
+    try:
+        yield
+    finally:
+        sweeps.lock.release()
+
+
+@contextlib.asynccontextmanager
+async def _sweeping(
+    console: Console, *, view: bool = False
+) -> AsyncIterator[AbstractRobustConnection]:
+    """The broker connection, for one sweep of the DLQ at a time (see the module's invariant
+    and ``MAX_WAITING_VIEWS``); a broker that cannot be reached is a 503, a DLQ that does not
+    exist a 404."""
+    async with _turn(console, view=view):
         try:
             connection = await console.broker()
         except Exception as exc:
@@ -161,7 +204,7 @@ async def groups_page(
     console = console_of(request)
     selection = selection_of(key, reason, handler)
     groups = None
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         depth = await dlq.depth(connection, console.settings)
         if depth is not None:
             groups = await dlq.grouped(
@@ -198,7 +241,7 @@ async def messages_page(
     scan = dlq.Scan(dlq.SCAN_LIMIT)
     page: list[dlq.Parked] = []
     matched = 0
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         depth = await dlq.depth(connection, console.settings)
         if depth is not None:
             found = dlq.browse(
@@ -265,7 +308,7 @@ async def message_page(
     console = console_of(request)
     if not ID.fullmatch(copy_id):
         raise HTTPException(HTTPStatus.NOT_FOUND, "no parked message has such an id")
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         found = await dlq.find(
             connection,
             console.engine,
