@@ -3,21 +3,25 @@ flaw found in review and fixed: ids past what PostgreSQL's ``BIGINT`` holds refu
 request (never a server error); ``WORKER_CONSOLE_URL`` written with its default port or in
 capitals still letting its users log in; the audit showing a target's invisible and
 bidirectional characters as escapes, as every other page does; views of the dead letters that
-queue for the one sweep at a time bounded, so no user can make every other page wait.
+queue for the one sweep at a time bounded, so no user can make every other page wait; a replay
+cut short by the console's stop still written to the audit with what it did.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 import pytest
 from aio_pika.abc import AbstractRobustConnection
 from fastapi import FastAPI
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from tests.helpers import rows, wait_until
+from tests.helpers import broker_depth, rows, wait_until
 from tests.integration.console_support import (
     OPERATOR_TOKEN,
     VIEWER_TOKEN,
@@ -30,8 +34,10 @@ from tests.integration.test_console_security import (
     assert_secured,
     cookie_attributes,
 )
+from tests.integration.test_dlq import HANDLER, Copy, park, parked_keys
 from worker.console import serve
 from worker.console.pages import dead_letters
+from worker.ingress import serve as ingress_serve
 from worker.settings import Settings, field
 from worker.transport.topology import declare_topology
 
@@ -210,3 +216,56 @@ async def test_views_of_the_dead_letters_wait_in_a_bounded_line_and_the_rest_sti
             asyncio.gather(*waiting, previewing), ANSWER_WITHIN * 3
         )
         assert [answer.status_code for answer in answers] == [200] * len(answers)
+
+
+async def test_a_replay_cut_short_by_the_console_s_stop_is_audited_with_what_it_did(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Given three parked messages whose keys the worker recorded as failed
+    await park(amqp, engine, settings, Copy("k1"), Copy("k2"), Copy("k3"))
+    # And a console that gives requests in flight a short grace when it stops
+    monkeypatch.setattr(ingress_serve, "SHUTDOWN_GRACE", 0.5)
+    async with engine.connect() as holder, holder.begin():
+        # And the second key's inbox row held by another transaction, so the replay, having
+        # replayed the first message, waits there to clear the second one's failed state
+        await holder.execute(
+            text("SELECT 1 FROM inbox WHERE key = 'k2' FOR UPDATE"),
+        )
+        async with (
+            running_console(settings) as console,
+            logged_in(console, OPERATOR_TOKEN) as operator,
+        ):
+            confirming = asyncio.create_task(
+                operator.post(
+                    "/dead-letters/confirm",
+                    {
+                        "action": "replay",
+                        "scope": "filter",
+                        "reason": "handler-error",
+                        "handler": HANDLER,
+                        "before": datetime.now(UTC).isoformat(),
+                    },
+                )
+            )
+
+            async def first_replayed() -> bool:
+                return await broker_depth(settings.queue) == 1
+
+            await wait_until(first_replayed)
+            # When the console is stopped (a deploy) while the replay is in its middle
+        with contextlib.suppress(httpx.HTTPError):
+            await confirming
+
+    # Then the audit says the replay was cut short, after the one message it replayed
+    found = await rows(
+        engine, "SELECT count, outcome FROM console_audit WHERE action = 'dlq replay'"
+    )
+    assert len(found) == 1, found
+    [(count, outcome)] = found
+    assert count == 1
+    assert outcome.startswith("failed: "), outcome
+    # And what it had not replayed is still parked
+    assert sorted(await parked_keys(amqp, engine, settings)) == ["k2", "k3"]

@@ -36,7 +36,7 @@ from starlette.responses import RedirectResponse, Response
 
 from worker import logs
 from worker.console import audit
-from worker.console.guard import MAX_ID, Form, OperatorAction, Viewer
+from worker.console.guard import MAX_ID, Action, Form, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.ops import dlq
@@ -61,6 +61,8 @@ ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|s
 """What a parked message's id looks like (``dlq.Parked.id``)."""
 VERBS = {"replay": "replayed", "purge": "purged"}
 """The actions, and what their result says they did (audited as ``dlq <action>``)."""
+INTERRUPTED = "interrupted: the console stopped before the action ended"
+"""Why an action cut short by the console's stop failed, in its audit entry."""
 
 
 MAX_WAITING_VIEWS = 4
@@ -504,6 +506,13 @@ def _detail(chosen: Chosen, tally: dlq.Tally, scan: dlq.Scan) -> Mapping[str, An
 
 @router.post("/dead-letters/confirm")
 async def confirm(request: Request, action: OperatorAction) -> Response:
+    async with console_of(request).acting():
+        return await _confirmed(request, action)
+
+
+async def _confirmed(request: Request, action: Action) -> Response:
+    """Carry out the confirmed action, and write its audit entry however it ends (a stop of
+    the console that cancels it mid-way included: ``confirm`` makes the stop wait for it)."""
     console = console_of(request)
     chosen = chosen_of(action.form)
     parked_before = _moment(action.form.one("before"))
@@ -518,6 +527,19 @@ async def confirm(request: Request, action: OperatorAction) -> Response:
                     console, connection, chosen, scan, dry_run=False, parked_before=parked_before
                 )
             )
+    except asyncio.CancelledError:
+        await asyncio.shield(
+            audit.record(
+                console,
+                user,
+                name,
+                chosen.target,
+                tally.done_count,
+                f"failed: {INTERRUPTED}",
+                _detail(chosen, tally, scan),
+            )
+        )
+        raise
     except Exception as exc:
         why = exc.detail if isinstance(exc, HTTPException) else logs.describe_error(exc)
         await audit.record(
