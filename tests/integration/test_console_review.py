@@ -4,13 +4,16 @@ request (never a server error); ``WORKER_CONSOLE_URL`` written with its default 
 capitals still letting its users log in; the audit showing a target's invisible and
 bidirectional characters as escapes, as every other page does; views of the dead letters that
 queue for the one sweep at a time bounded, so no user can make every other page wait; a replay
-cut short by the console's stop still written to the audit with what it did.
+cut short by the console's stop still written to the audit with what it did; a page of one
+routing key of the outbox reading a bounded window of its state, never the whole outbox.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -29,6 +32,7 @@ from tests.integration.console_support import (
     logged_in,
     running_console,
 )
+from tests.integration.test_console_outbox import listed_ids, next_page
 from tests.integration.test_console_security import (
     anonymous_client,
     assert_secured,
@@ -37,8 +41,10 @@ from tests.integration.test_console_security import (
 from tests.integration.test_dlq import HANDLER, Copy, park, parked_keys
 from worker.console import serve
 from worker.console.pages import dead_letters
+from worker.console.pages import outbox as outbox_page
 from worker.ingress import serve as ingress_serve
 from worker.settings import Settings, field
+from worker.sql import inspection
 from worker.transport.topology import declare_topology
 
 ANSWER_WITHIN = 20.0
@@ -269,3 +275,75 @@ async def test_a_replay_cut_short_by_the_console_s_stop_is_audited_with_what_it_
     assert outcome.startswith("failed: "), outcome
     # And what it had not replayed is still parked
     assert sorted(await parked_keys(amqp, engine, settings)) == ["k2", "k3"]
+
+
+async def pending_rows(engine: AsyncEngine, routing_keys: list[str]) -> list[int]:
+    """Pending outbox rows of ``routing_keys``, due one second apart in that order (the last
+    due last, the order a relay and the console's list take them in); their ids."""
+    async with engine.begin() as conn:
+        found = await conn.execute(
+            text(
+                "INSERT INTO outbox (message_id, exchange, routing_key, body, content_type,"
+                " available_at) SELECT gen_random_uuid(), 'events', key, '\\x7b7d',"
+                " 'application/json', now() - make_interval(secs => 1000 - n)"
+                " FROM unnest(CAST(:keys AS text[])) WITH ORDINALITY AS k(key, n)"
+                " ORDER BY n RETURNING id"
+            ),
+            {"keys": routing_keys},
+        )
+        return [row_id for (row_id,) in found]
+
+
+async def test_a_rare_routing_key_is_sought_a_bounded_window_of_rows_at_a_time(
+    settings: Settings, engine: AsyncEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Given 25 pending rows of one routing key, then one of a rare one, due last
+    ids = await pending_rows(engine, ["order.placed"] * 25 + ["order.refunded"])
+    # And a console that reads 10 rows of a state at most to fill a page of one routing key
+    monkeypatch.setattr(outbox_page, "SCAN_ROWS", 10, raising=False)
+    async with running_console(settings) as console, logged_in(console, VIEWER_TOKEN) as viewer:
+        # When a user asks for the pending rows of the rare routing key
+        first = (
+            await viewer.client.get(
+                "/outbox", params={"state": "pending", "routing_key": "order.refunded"}
+            )
+        ).text
+        second = await next_page(viewer.client, first)
+        third = await next_page(viewer.client, second)
+    # Then each page says it read the next 10 pending rows and found none of it, and leads on
+    assert listed_ids("pending", first) == []
+    assert listed_ids("pending", second) == []
+    assert re.search(r'id="window">.*?the next 10 pending rows', first, re.DOTALL)
+    # And the page that reads the window it is in shows it, and no page after it
+    assert listed_ids("pending", third) == [ids[-1]]
+    assert 'id="next-page"' not in third
+
+
+async def test_the_read_of_a_routing_key_reads_no_more_rows_than_its_window(
+    engine: AsyncEngine,
+) -> None:
+    # Given 3,000 pending rows, none of the routing key asked for
+    await pending_rows(engine, ["order.placed"] * 3000)
+    async with engine.begin() as conn:
+        await conn.execute(text("ANALYZE outbox"))
+        # When the console's read of a page of that routing key is run, with a window of 500
+        statement = inspection.entries_query("pending", 201, routing_key="order.refunded", scan=500)
+        compiled = statement.compile(conn.sync_connection)
+        [(plan,)] = (
+            await conn.exec_driver_sql(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) {compiled.string}",
+                tuple(compiled.params[name] for name in compiled.positiontup or ()),
+            )
+        ).all()
+    # Then it read 500 rows of the outbox, not all 3,000
+    read = [
+        node["Actual Rows"] + node.get("Rows Removed by Filter", 0)
+        for node in plan_nodes((plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"])
+        if node.get("Relation Name") == "outbox"
+    ]
+    assert read == [500], read
+
+
+def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """``node`` of an EXPLAIN (FORMAT JSON) plan and every node under it."""
+    return [node, *(found for child in node.get("Plans", []) for found in plan_nodes(child))]
