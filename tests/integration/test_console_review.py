@@ -1,11 +1,16 @@
 """The console against what an attacker sends and what a tired operator configures, each test a
-flaw found in review and fixed: ids past what PostgreSQL's ``BIGINT`` holds refused as a bad
-request (never a server error); ``WORKER_CONSOLE_URL`` written with its default port or in
-capitals still letting its users log in; the audit showing a target's invisible and
-bidirectional characters as escapes, as every other page does; views of the dead letters that
-queue for the one sweep at a time bounded, so no user can make every other page wait; a replay
-cut short by the console's stop still written to the audit with what it did; a page of one
-routing key of the outbox reading a bounded window of its state, never the whole outbox.
+flaw found in review and fixed:
+
+- ids past what PostgreSQL's ``BIGINT`` holds, and NUL characters its text cannot hold, are
+  refused as bad requests (never a server error, never a lost audit entry);
+- ``WORKER_CONSOLE_URL`` written with its default port or in capitals still takes a login;
+- the audit shows a target's invisible and bidirectional characters as escapes, as every other
+  page does;
+- views of the dead letters queueing for the one sweep at a time are bounded, so no user can
+  make every other page wait;
+- a replay cut short by the console's stop is still audited with what it did;
+- a page of one routing key of the outbox reads a bounded window of its state, never the whole
+  outbox.
 """
 
 from __future__ import annotations
@@ -86,6 +91,55 @@ async def test_a_ticked_row_id_past_a_bigint_is_a_bad_request_not_an_audited_fai
     # Then it is refused as a bad selection, before any transaction: no "failed" action audited
     assert answer.status_code == 400, answer.text
     assert "not a row&#39;s id" in answer.text
+    assert await rows(engine, "SELECT action FROM console_audit WHERE action <> 'login'") == []
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/inbox?handler=orders.place%00&key=k1",
+        "/outbox?state=pending&routing_key=order.placed%00",
+        "/dead-letters?key=k1%00",
+    ],
+)
+async def test_a_nul_character_in_a_query_is_a_bad_request_not_a_server_error(
+    settings: Settings, path: str
+) -> None:
+    async with running_console(settings) as console, logged_in(console, VIEWER_TOKEN) as viewer:
+        # When a user's query carries a NUL character (which no PostgreSQL text holds)
+        answer = await viewer.client.get(path)
+    # Then it is refused as a bad request, with the console's security headers
+    assert answer.status_code == 400, answer.text
+    assert "NUL" in answer.text
+    assert_secured(answer)
+
+
+@pytest.mark.parametrize(
+    ("path", "form"),
+    [
+        ("/outbox/retry", {"routing_key": "order.placed\x00"}),
+        ("/outbox/hurry/preview", {"routing_key": "order.placed\x00"}),
+        (
+            "/dead-letters/confirm",
+            {
+                "action": "purge",
+                "scope": "filter",
+                "key": "k1\x00",
+                "before": "2030-01-01T00:00:00+00:00",
+            },
+        ),
+    ],
+)
+async def test_an_action_whose_form_carries_a_nul_character_is_refused_before_it_begins(
+    settings: Settings, engine: AsyncEngine, path: str, form: dict[str, str]
+) -> None:
+    async with running_console(settings) as console, logged_in(console, OPERATOR_TOKEN) as operator:
+        # When an operator's form names a selection with a NUL character in it
+        answer = await operator.post(path, form)
+    # Then it is a bad request, not a server error that also lost the action's audit entry:
+    # nothing began, so there is nothing to audit
+    assert answer.status_code == 400, answer.text
+    assert "NUL" in answer.text
     assert await rows(engine, "SELECT action FROM console_audit WHERE action <> 'login'") == []
 
 

@@ -1,7 +1,9 @@
 """What every request to the console passes, and what a page declares it needs.
 
 ``Guard`` (ASGI middleware) refuses a ``Host`` the console does not serve (against DNS
-rebinding: localhost's names and ``console_url``'s host only) and sets the security headers on
+rebinding: localhost's names and ``console_url``'s host only) and a query string carrying a NUL
+character (as ``read_form`` refuses a form that does: PostgreSQL's text holds none, and a
+statement given one fails), and sets the security headers on
 every answer: a Content-Security-Policy that lets the pages load only the console's own script
 and style (no inline script, no other origin), no framing, no sniffing, no referrer sent to
 another origin, no caching.
@@ -75,21 +77,30 @@ class Guard:
             await send(message)
 
         if not host_allowed(scope, frozenset(self.console.allowed_hosts)):
-            await secured(
-                {
-                    "type": "http.response.start",
-                    "status": HTTPStatus.BAD_REQUEST,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8")],
-                }
-            )
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"this Host is not served; set WORKER_CONSOLE_URL\n",
-                }
-            )
+            await _refuse(secured, send, b"this Host is not served; set WORKER_CONSOLE_URL\n")
+            return
+        if _NUL in scope.get("query_string", b"").lower():
+            await _refuse(secured, send, b"a NUL character is no value the console takes\n")
             return
         await self.app(scope, receive, secured)
+
+
+_NUL = b"%00"
+"""A NUL character in a query string: PostgreSQL's text cannot hold one, so a value carrying it
+is refused here (400) rather than fail its statement (a bare 500)."""
+
+
+async def _refuse(start: Send, send: Send, why: bytes) -> None:
+    """Answer 400 with ``why`` as plain text (its start through ``start``, the security
+    headers')."""
+    await start(
+        {
+            "type": "http.response.start",
+            "status": HTTPStatus.BAD_REQUEST,
+            "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+        }
+    )
+    await send({"type": "http.response.body", "body": why})
 
 
 class LoginRequired(Exception):
@@ -150,7 +161,8 @@ def login_path(request: Request) -> str:
 
 
 async def read_form(request: Request) -> Form:
-    """The request's form, read whole; 413 past ``MAX_FORM_BYTES``, 415 for another type."""
+    """The request's form, read whole; 413 past ``MAX_FORM_BYTES``, 415 for another type, 400
+    for one that is not UTF-8 or carries a NUL character."""
     kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if kind != "application/x-www-form-urlencoded":
         raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "send a form")
@@ -168,6 +180,8 @@ async def read_form(request: Request) -> Form:
         )
     except (UnicodeDecodeError, ValueError):
         raise HTTPException(HTTPStatus.BAD_REQUEST, "the form cannot be read") from None
+    if any("\x00" in value for values in fields.values() for value in values):
+        raise HTTPException(HTTPStatus.BAD_REQUEST, "a NUL character is no value the console takes")
     return Form(fields)
 
 
