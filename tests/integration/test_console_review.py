@@ -10,7 +10,9 @@ flaw found in review and fixed:
   make every other page wait;
 - a replay cut short by the console's stop is still audited with what it did;
 - a page of one routing key of the outbox reads a bounded window of its state, never the whole
-  outbox.
+  outbox;
+- with PostgreSQL unreachable, a page says so (503), with the security headers, instead of a
+  bare 500.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import re
 from datetime import UTC, datetime
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -37,6 +40,7 @@ from tests.integration.console_support import (
     logged_in,
     running_console,
 )
+from tests.integration.tcp_proxy import tcp_proxy
 from tests.integration.test_console_outbox import listed_ids, next_page
 from tests.integration.test_console_security import (
     anonymous_client,
@@ -44,6 +48,7 @@ from tests.integration.test_console_security import (
     cookie_attributes,
 )
 from tests.integration.test_dlq import HANDLER, Copy, park, parked_keys
+from tests.integration.test_monitoring import through_proxy
 from worker.console import serve
 from worker.console.pages import dead_letters
 from worker.console.pages import outbox as outbox_page
@@ -401,3 +406,36 @@ async def test_the_read_of_a_routing_key_reads_no_more_rows_than_its_window(
 def plan_nodes(node: dict[str, Any]) -> list[dict[str, Any]]:
     """``node`` of an EXPLAIN (FORMAT JSON) plan and every node under it."""
     return [node, *(found for child in node.get("Plans", []) for found in plan_nodes(child))]
+
+
+async def test_with_postgresql_unreachable_a_page_says_so_and_answers_again_once_it_is_back(
+    settings: Settings,
+) -> None:
+    # Given a console that reaches PostgreSQL through a proxy
+    url = urlsplit(settings.database_url)
+    async with tcp_proxy(url.hostname or "127.0.0.1", url.port or 5432) as proxy:
+        proxied = settings.replace(database_url=through_proxy(settings, proxy.port))
+        async with (
+            running_console(proxied) as console,
+            logged_in(console, OPERATOR_TOKEN) as operator,
+        ):
+            # When PostgreSQL becomes unreachable, and the operator opens pages and acts
+            await proxy.down()
+            pages = [
+                await operator.client.get(path)
+                for path in ("/outbox", "/inbox?handler=orders.place&key=k1", "/audit")
+            ]
+            action = await operator.post("/outbox/retry", {"id": "1"})
+            # Then each says PostgreSQL cannot be reached (503), on a page of the console
+            for answer in [*pages, action]:
+                assert answer.status_code == 503, answer.text
+                assert "PostgreSQL cannot be reached" in answer.text
+                assert 'id="error"' in answer.text
+                assert_secured(answer)
+            # And once it is back, so are the pages
+            await proxy.up()
+
+            async def answers() -> bool:
+                return (await operator.client.get("/outbox")).status_code == 200
+
+            await wait_until(answers)

@@ -6,7 +6,8 @@ character (as ``read_form`` refuses a form that does: PostgreSQL's text holds no
 statement given one fails), and sets the security headers on
 every answer: a Content-Security-Policy that lets the pages load only the console's own script
 and style (no inline script, no other origin), no framing, no sniffing, no referrer sent to
-another origin, no caching.
+another origin, no caching. A route that fails is answered by ``failed``'s page, never a bare
+500 without those headers.
 
 A page's route takes a ``Viewer`` parameter to be seen by any logged-in user, or an
 ``OperatorAction`` for a POST that changes something. Invariant of the latter: the
@@ -19,6 +20,7 @@ the time and the requests in flight).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -28,12 +30,18 @@ from urllib.parse import parse_qs, quote
 from fastapi import Depends, HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from worker import logs
 from worker.console import audit
 from worker.console.sessions import Session
 from worker.console.state import Console, console_of
+from worker.console.templating import render
+from worker.errors import innermost, unreachable_service
 from worker.ingress.edge import host_allowed
+
+log = logging.getLogger(__name__)
 
 MAX_FORM_BYTES = 256 * 1024
 """Bytes a form's body may have (a selection of a thousand dead letters' ids fits)."""
@@ -69,8 +77,12 @@ class Guard:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def secured(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = MutableHeaders(scope=message)
                 for name, value in SECURITY_HEADERS.items():
                     headers[name] = value
@@ -82,7 +94,38 @@ class Guard:
         if _NUL in scope.get("query_string", b"").lower():
             await _refuse(secured, send, b"a NUL character is no value the console takes\n")
             return
-        await self.app(scope, receive, secured)
+        try:
+            await self.app(scope, receive, secured)
+        except Exception as exc:
+            if started:
+                raise
+            await failed(scope, exc)(scope, receive, secured)
+
+
+def failed(scope: Scope, exc: Exception) -> Response:
+    """The page that answers a request whose route raised ``exc`` (logged here): a 503 that
+    names the service it could not reach (PostgreSQL down: every page but the overview, which
+    says so itself), else a 500 that points to the log; with the security headers, like every
+    other answer."""
+    request = Request(scope)
+    where = f"{request.method} {logs.printable(request.url.path)[:200]}"
+    service = unreachable_service(exc)
+    if service is None:
+        log.error("console: %s failed", where, exc_info=exc)
+        return render(
+            request,
+            "error.html",
+            status=HTTPStatus.INTERNAL_SERVER_ERROR,
+            message="the console failed to answer: its log has the error",
+        )
+    why = logs.describe_error(innermost(exc))
+    log.warning("console: %s: %s cannot be reached (%s)", where, service.value, why)
+    return render(
+        request,
+        "error.html",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        message=f"{service.value} cannot be reached ({why}): try again when it is back",
+    )
 
 
 _NUL = b"%00"
