@@ -29,6 +29,11 @@ from worker.sql import audit, inspection, lookup
 ROWS = 20_000
 CAP = 4096
 PAGE = 200
+WINDOW = ROWS // 20
+"""The window a page of one routing key reads (``outbox.SCAN_ROWS`` in the console, sized for
+an outbox of millions): here a twentieth of the tables, so that it is planned as it is on a
+large outbox, as a range of the index under a LIMIT (a window of half a table is read faster
+by a sequential scan, and the planner rightly takes one)."""
 A_MOMENT = datetime(2024, 1, 1, tzinfo=UTC)
 PLANS_FILE = Path(__file__).resolve().parents[2] / "docs" / "console-plans.txt"
 WATCHED_TABLES = (
@@ -57,7 +62,15 @@ CONSOLE_READS: dict[str, Callable[[], Any]] = {
     },
     **{
         f"outbox: {state} rows of a routing key": (
-            lambda state=state: inspection.entries_query(state, PAGE, routing_key="rk-7")
+            lambda state=state: inspection.entries_query(
+                state, PAGE, routing_key="rk-7", scan=WINDOW
+            )
+        )
+        for state in inspection.OUTBOX_STATES
+    },
+    **{
+        f"outbox: where a window of {state} rows ends": (
+            lambda state=state: inspection.scan_end_query(state, WINDOW)
         )
         for state in inspection.OUTBOX_STATES
     },

@@ -1,10 +1,13 @@
 """What every request to the console passes, and what a page declares it needs.
 
 ``Guard`` (ASGI middleware) refuses a ``Host`` the console does not serve (against DNS
-rebinding: localhost's names and ``console_url``'s host only) and sets the security headers on
+rebinding: localhost's names and ``console_url``'s host only) and a query string carrying a NUL
+character (as ``read_form`` refuses a form that does: PostgreSQL's text holds none, and a
+statement given one fails), and sets the security headers on
 every answer: a Content-Security-Policy that lets the pages load only the console's own script
 and style (no inline script, no other origin), no framing, no sniffing, no referrer sent to
-another origin, no caching.
+another origin, no caching. A route that fails is answered by ``failed``'s page, never a bare
+500 without those headers.
 
 A page's route takes a ``Viewer`` parameter to be seen by any logged-in user, or an
 ``OperatorAction`` for a POST that changes something. Invariant of the latter: the
@@ -17,6 +20,7 @@ the time and the requests in flight).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -26,16 +30,25 @@ from urllib.parse import parse_qs, quote
 from fastapi import Depends, HTTPException
 from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from worker import logs
 from worker.console import audit
 from worker.console.sessions import Session
 from worker.console.state import Console, console_of
+from worker.console.templating import render
+from worker.errors import innermost, unreachable_service
 from worker.ingress.edge import host_allowed
+
+log = logging.getLogger(__name__)
 
 MAX_FORM_BYTES = 256 * 1024
 """Bytes a form's body may have (a selection of a thousand dead letters' ids fits)."""
 MAX_FORM_FIELDS = 5000
+MAX_ID = 2**63 - 1
+"""The largest id a page's path, query or form may name: a ``BIGINT``'s. PostgreSQL refuses a
+larger parameter outright, so a larger id is refused (400) before it reaches a statement."""
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
     "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -64,29 +77,73 @@ class Guard:
             await self.app(scope, receive, send)
             return
 
+        started = False
+
         async def secured(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 headers = MutableHeaders(scope=message)
                 for name, value in SECURITY_HEADERS.items():
                     headers[name] = value
             await send(message)
 
         if not host_allowed(scope, frozenset(self.console.allowed_hosts)):
-            await secured(
-                {
-                    "type": "http.response.start",
-                    "status": HTTPStatus.BAD_REQUEST,
-                    "headers": [(b"content-type", b"text/plain; charset=utf-8")],
-                }
-            )
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": b"this Host is not served; set WORKER_CONSOLE_URL\n",
-                }
-            )
+            await _refuse(secured, send, b"this Host is not served; set WORKER_CONSOLE_URL\n")
             return
-        await self.app(scope, receive, secured)
+        if _NUL in scope.get("query_string", b"").lower():
+            await _refuse(secured, send, b"a NUL character is no value the console takes\n")
+            return
+        try:
+            await self.app(scope, receive, secured)
+        except Exception as exc:
+            if started:
+                raise
+            await failed(scope, exc)(scope, receive, secured)
+
+
+def failed(scope: Scope, exc: Exception) -> Response:
+    """The page that answers a request whose route raised ``exc`` (logged here): a 503 that
+    names the service it could not reach (PostgreSQL down: every page but the overview, which
+    says so itself), else a 500 that points to the log; with the security headers, like every
+    other answer."""
+    request = Request(scope)
+    where = f"{request.method} {logs.printable(request.url.path)[:200]}"
+    service = unreachable_service(exc)
+    if service is None:
+        log.error("console: %s failed", where, exc_info=exc)
+        return render(
+            request,
+            "error.html",
+            status=HTTPStatus.INTERNAL_SERVER_ERROR,
+            message="the console failed to answer: its log has the error",
+        )
+    why = logs.describe_error(innermost(exc))
+    log.warning("console: %s: %s cannot be reached (%s)", where, service.value, why)
+    return render(
+        request,
+        "error.html",
+        status=HTTPStatus.SERVICE_UNAVAILABLE,
+        message=f"{service.value} cannot be reached ({why}): try again when it is back",
+    )
+
+
+_NUL = b"%00"
+"""A NUL character in a query string: PostgreSQL's text cannot hold one, so a value carrying it
+is refused here (400) rather than fail its statement (a bare 500)."""
+
+
+async def _refuse(start: Send, send: Send, why: bytes) -> None:
+    """Answer 400 with ``why`` as plain text (its start through ``start``, the security
+    headers')."""
+    await start(
+        {
+            "type": "http.response.start",
+            "status": HTTPStatus.BAD_REQUEST,
+            "headers": [(b"content-type", b"text/plain; charset=utf-8")],
+        }
+    )
+    await send({"type": "http.response.body", "body": why})
 
 
 class LoginRequired(Exception):
@@ -147,7 +204,8 @@ def login_path(request: Request) -> str:
 
 
 async def read_form(request: Request) -> Form:
-    """The request's form, read whole; 413 past ``MAX_FORM_BYTES``, 415 for another type."""
+    """The request's form, read whole; 413 past ``MAX_FORM_BYTES``, 415 for another type, 400
+    for one that is not UTF-8 or carries a NUL character."""
     kind = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if kind != "application/x-www-form-urlencoded":
         raise HTTPException(HTTPStatus.UNSUPPORTED_MEDIA_TYPE, "send a form")
@@ -165,6 +223,8 @@ async def read_form(request: Request) -> Form:
         )
     except (UnicodeDecodeError, ValueError):
         raise HTTPException(HTTPStatus.BAD_REQUEST, "the form cannot be read") from None
+    if any("\x00" in value for values in fields.values() for value in values):
+        raise HTTPException(HTTPStatus.BAD_REQUEST, "a NUL character is no value the console takes")
     return Form(fields)
 
 

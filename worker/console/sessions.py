@@ -3,7 +3,9 @@
 Invariant: the cookie carries a random 256-bit id and nothing else; the store keeps only its
 SHA-256, so a dump of the process's memory holds no usable cookie. A session ends after
 ``IDLE_TIMEOUT`` without a request, ``LIFETIME`` after its login, or at logout, whichever comes
-first; the store holds at most ``MAX_SESSIONS`` (a new login then ends the oldest). Each session
+first; the store holds at most ``MAX_SESSIONS`` (a new login then ends the oldest), and at most
+``MAX_SESSIONS_PER_USER`` of one user (a user's new login then ends their own oldest), so no
+user's logins, however many, end another user's session. Each session
 has its own CSRF token, compared in constant time. A restart of the console ends every session.
 """
 
@@ -24,6 +26,9 @@ IDLE_TIMEOUT = 30 * 60.0
 """Seconds a session lasts without a request (the overview's refresh counts as one)."""
 MAX_SESSIONS = 1024
 """Sessions kept at most; the oldest ends when a login would pass it."""
+MAX_SESSIONS_PER_USER = 32
+"""Sessions of one user (one token entry's name) kept at most; their oldest ends when their
+login would pass it, before ``MAX_SESSIONS`` is reached by one user alone."""
 
 
 @dataclass
@@ -51,16 +56,21 @@ class Sessions:
         lifetime: float = LIFETIME,
         idle_timeout: float = IDLE_TIMEOUT,
         max_sessions: int = MAX_SESSIONS,
+        max_per_user: int = MAX_SESSIONS_PER_USER,
     ) -> None:
         self.lifetime = lifetime
         self.idle_timeout = idle_timeout
         self.max_sessions = max_sessions
+        self.max_per_user = max_per_user
         self._sessions: OrderedDict[bytes, Session] = OrderedDict()
 
     def start(self, user: User) -> tuple[str, Session]:
         """A new session for ``user``: (the cookie's value, the session)."""
         cookie = secrets.token_urlsafe(32)
         session = Session(user)
+        theirs = [key for key, kept in self._sessions.items() if kept.user.name == user.name]
+        for key in theirs[: max(0, len(theirs) - self.max_per_user + 1)]:
+            del self._sessions[key]  # (their least recently seen first)
         self._sessions[_digest(cookie)] = session
         while len(self._sessions) > self.max_sessions:
             self._sessions.popitem(last=False)

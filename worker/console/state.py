@@ -3,15 +3,18 @@ first use), the sessions and the accounts; one ``Console`` per application, at
 ``app.state.console``.
 
 Invariant: the console holds at most one broker connection and the engine's pool (``POOL_SIZE``)
-of database connections, whatever its users do, and closes both when it stops.
+of database connections, whatever its users do, and closes both when it stops, once the actions
+in progress (``Console.acting``) have ended and written their audit entries.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import OrderedDict
-from urllib.parse import urlsplit
+from collections.abc import AsyncIterator
+from urllib.parse import SplitResult, urlsplit
 
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -33,6 +36,8 @@ LOGIN_WINDOW = 60.0
 MAX_TRACKED_ADDRESSES = 4096
 """Client addresses whose failed logins are remembered at most (the oldest are forgotten)."""
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
+ACTIONS_GRACE = 10.0
+"""Seconds a stopping console waits for the actions in progress to end (``Console.acting``)."""
 
 
 class Console:
@@ -44,6 +49,7 @@ class Console:
         self.accounts = accounts
         self.sessions = Sessions()
         self._broker: AbstractRobustConnection | None = None
+        self._acting: set[asyncio.Future[None]] = set()
         self._broker_lock = asyncio.Lock()
         self._failures: OrderedDict[str, list[float]] = OrderedDict()
         url = urlsplit(settings.console_url) if settings.console_url else None
@@ -52,8 +58,8 @@ class Console:
         self.allowed_hosts = LOCAL_HOSTS | (
             {(url.hostname or "").lower()} if url is not None else set()
         )
-        self.origin = settings.console_url or None
-        """The origin a browser names on a POST (``console_url``); None: the request's Host."""
+        self.origin = None if url is None else origin_of(url)
+        """The origin a browser names on a POST (``console_url``'s); None: the request's Host."""
 
     @property
     def cookie_name(self) -> str:
@@ -77,8 +83,24 @@ class Console:
                 )
             return self._broker
 
+    @contextlib.asynccontextmanager
+    async def acting(self) -> AsyncIterator[None]:
+        """An action in progress, which ``close`` waits for: a stop that cancels it mid-way
+        (uvicorn cancels the requests still running after its grace) still lets it write its
+        audit entry before the console closes."""
+        ended = asyncio.get_running_loop().create_future()
+        self._acting.add(ended)
+        try:
+            yield
+        finally:
+            self._acting.discard(ended)
+            ended.set_result(None)
+
     async def close(self) -> None:
-        """Close the broker connection, if one was made."""
+        """Wait for the actions in progress (up to ``ACTIONS_GRACE``), and close the broker
+        connection, if one was made."""
+        if self._acting:
+            await asyncio.wait(set(self._acting), timeout=ACTIONS_GRACE)
         if self._broker is not None:
             broker, self._broker = self._broker, None
             await broker.close()
@@ -99,6 +121,21 @@ class Console:
         self._failures.move_to_end(address)
         while len(self._failures) > MAX_TRACKED_ADDRESSES:
             self._failures.popitem(last=False)
+
+
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def origin_of(url: SplitResult) -> str:
+    """The origin a browser names in ``Origin`` for pages of ``url``, as it serializes one:
+    scheme and host in lower case, the scheme's default port left out
+    (``HTTPS://Console.Example.com:443`` is ``https://console.example.com``)."""
+    scheme = url.scheme.lower()
+    host = (url.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    port = url.port
+    return f"{scheme}://{host}" + ("" if port in (None, DEFAULT_PORTS.get(scheme)) else f":{port}")
 
 
 def console_of(request: Request) -> Console:

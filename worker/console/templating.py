@@ -59,9 +59,19 @@ def number(value: float | int | None) -> str:
 
 
 _HIDDEN = re.compile(
-    "[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2066-\u2069\ufeff]"
+    "[\x00-\x08\x0b-\x1f\x7f-\x9f\xad\u034f\u0600-\u0605\u061c\u06dd\u070f\u0890\u0891"
+    "\u08e2\u115f\u1160\u17b4\u17b5\u180b-\u180f\u200b-\u200f\u2028-\u202e\u2060-\u206f"
+    "\u3164\ufe00-\ufe0f\ufeff\uffa0\ufff0-\ufffb\U000110bd\U000110cd\U00013430-\U0001343f"
+    "\U0001bca0-\U0001bca3\U0001d173-\U0001d17a\U000e0000-\U000e0fff]"
 )
-"""Control characters (but tab and newline) and the invisible or bidirectional formatting ones."""
+"""Control characters (but tab and newline), every format character (bidirectional marks and
+overrides, zero-width ones, Unicode tags) and the characters that render as nothing (fillers,
+variation selectors)."""
+
+
+def _escape(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
 
 
 def visible(value: str | None) -> str:
@@ -70,7 +80,7 @@ def visible(value: str | None) -> str:
     around it (escaping for HTML is still the template's); ``""`` for None."""
     if value is None:
         return ""
-    return _HIDDEN.sub(lambda found: f"\\u{ord(found.group()):04x}", value)
+    return _HIDDEN.sub(_escape, value)
 
 
 environment.filters.update(ago=ago, when=when, number=number, visible=visible)

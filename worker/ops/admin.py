@@ -316,18 +316,20 @@ async def read_outbox(
     routing_key: str | None = None,
     limit: int,
     after: inspection.OutboxCursor | None = None,
+    scan: int | None = None,
 ) -> list[inspection.OutboxEntry]:
     """Up to ``limit`` rows of each of ``states`` (of ``inspection.OUTBOX_STATES``), of
-    ``routing_key`` if given, in the order of ``states`` (each after ``after``, a keyset
-    cursor, if given); read in one read-only snapshot, so a row moving between states while
-    it is read is shown once. Nothing changes."""
+    ``routing_key`` if given (sought among the first ``scan`` rows of each state only, if
+    given), in the order of ``states`` (each after ``after``, a keyset cursor, if given); read
+    in one read-only snapshot, so a row moving between states while it is read is shown once.
+    Nothing changes."""
     snapshot = engine.execution_options(isolation_level="REPEATABLE READ", postgresql_readonly=True)
     async with snapshot.begin() as conn:
         return [
             entry
             for state in states
             for entry in await inspection.outbox_entries(
-                conn, state, limit, routing_key=routing_key, after=after
+                conn, state, limit, routing_key=routing_key, after=after, scan=scan
             )
         ]
 

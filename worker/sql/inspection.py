@@ -360,6 +360,7 @@ async def outbox_entries(
     routing_key: str | None = None,
     ids: Sequence[int] | None = None,
     after: OutboxCursor | None = None,
+    scan: int | None = None,
 ) -> list[OutboxEntry]:
     """Up to ``limit`` rows in ``state`` (one of ``OUTBOX_STATES``), of ``routing_key`` if given,
     with ``ids`` if given, after the cursor ``after`` if given.
@@ -372,9 +373,11 @@ async def outbox_entries(
     starts where the previous one ended, in the same index (keyset pagination). A
     ``routing_key`` is a filter on that scan (no index holds it, and one more on the outbox would
     cost every publish), so a routing key with few rows among many reads further before it finds
-    ``limit`` of them.
+    ``limit`` of them. With ``scan`` it seeks them among the first ``scan`` rows of the range
+    only (a LIMIT under the filter, so the read is bounded however rare the routing key), and
+    ``scan_end`` says where the next window of ``scan`` rows starts.
     """
-    stmt = entries_query(state, limit, routing_key=routing_key, ids=ids, after=after)
+    stmt = entries_query(state, limit, routing_key=routing_key, ids=ids, after=after, scan=scan)
     entries = []
     for row in await conn.execute(stmt):
         values = row._asdict()
@@ -391,14 +394,16 @@ def entries_query(
     routing_key: str | None = None,
     ids: Sequence[int] | None = None,
     after: OutboxCursor | None = None,
+    scan: int | None = None,
 ) -> Any:
     """The statement ``outbox_entries`` runs (exposed for its query plan to be checked)."""
     columns: list[Any]
+    where: list[Any]
     due_in: Any
     if state == "parked":
         table = outbox_parked
         extra = [null().label("available_at"), null().label("due_in_seconds"), table.c.parked_at]
-        where = _routing_key_is(table, routing_key)
+        where = []
         order = [table.c.id]
         columns = [table.c[name] for name in _ENTRY_COLUMNS]
     elif state == "scheduled":
@@ -409,7 +414,7 @@ def entries_query(
             due_in.label("due_in_seconds"),
             null().label("parked_at"),
         ]
-        where = _routing_key_is(table, routing_key)
+        where = []
         order = [table.c.due_at, table.c.id]
         unpublished = {"attempts": literal(0), "last_error": null()}
         columns = [
@@ -421,7 +426,7 @@ def entries_query(
         due_in = func.greatest(func.extract("epoch", table.c.available_at - func.now()), 0)
         extra = [table.c.available_at, due_in.label("due_in_seconds"), null().label("parked_at")]
         due = table.c.available_at <= func.now()
-        where = [due if state == "pending" else ~due, *_routing_key_is(table, routing_key)]
+        where = [due if state == "pending" else ~due]
         order = [table.c.available_at, table.c.id]
         columns = [table.c[name] for name in _ENTRY_COLUMNS]
     if ids is not None:
@@ -433,7 +438,41 @@ def entries_query(
             else tuple_(*order) > tuple_(literal(after.at, order[0].type), literal(after.id))
         )
     timer = table.c.headers[TIMER_HEADER].astext.label("timer")
-    return select(*columns, *extra, timer).where(*where).order_by(*order).limit(limit)
+    keyed = _routing_key_is(table, routing_key)
+    if scan is None or not keyed:
+        return select(*columns, *extra, timer).where(*where, *keyed).order_by(*order).limit(limit)
+    # The routing key among the first ``scan`` rows of the range: the filter over a LIMIT.
+    window = select(*columns, *extra, timer).where(*where).order_by(*order).limit(scan)
+    rows = window.subquery("window")
+    listed = [rows.c[_LISTED_AS.get(column.name, column.name)] for column in order]
+    return select(rows).where(rows.c.routing_key == routing_key).order_by(*listed).limit(limit)
+
+
+_LISTED_AS = {"due_at": "available_at"}
+"""The name an ordering column has among ``entries_query``'s columns (a scheduled event's
+``due_at`` is listed as its ``available_at``)."""
+
+
+def scan_end_query(state: str, scan: int, *, after: OutboxCursor | None = None) -> Any:
+    """The statement of ``scan_end``: the cursor columns of the ``scan``-th row of the range
+    after ``after`` and of the row past it, as far as there are (an index range of ``scan`` + 1
+    entries)."""
+    entries = entries_query(state, 2, after=after).offset(scan - 1)
+    return entries.with_only_columns(
+        entries.selected_columns.available_at, entries.selected_columns.id
+    )
+
+
+async def scan_end(
+    conn: AsyncConnection, state: str, scan: int, *, after: OutboxCursor | None = None
+) -> OutboxCursor | None:
+    """Where the window of ``scan`` rows of ``state`` after ``after`` ends (the cursor after
+    its last row) when the range holds more rows past it; None when the window reaches the
+    range's end. A page of one routing key read with ``scan`` continues from there."""
+    found = (await conn.execute(scan_end_query(state, scan, after=after))).all()
+    if len(found) < 2:
+        return None
+    return OutboxCursor(found[0].available_at, found[0].id)
 
 
 async def parked_message_ids(

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Query
 from starlette.requests import Request
 from starlette.responses import Response
 
-from worker.console.guard import Viewer
+from worker.console.guard import MAX_ID, Viewer
 from worker.console.state import console_of
 from worker.console.templating import render
 from worker.sql import audit
@@ -21,7 +21,7 @@ PAGE_SIZE = 100
 async def audit_page(
     request: Request,
     session: Viewer,
-    before: int | None = Query(None, ge=1),
+    before: int | None = Query(None, ge=1, le=MAX_ID),
 ) -> Response:
     async with console_of(request).engine.connect() as conn:
         entries = await audit.page(conn, before=before, limit=PAGE_SIZE)

@@ -22,7 +22,7 @@ import contextlib
 import re
 import weakref
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
 from typing import Annotated, Any
@@ -36,7 +36,7 @@ from starlette.responses import RedirectResponse, Response
 
 from worker import logs
 from worker.console import audit
-from worker.console.guard import Form, OperatorAction, Viewer
+from worker.console.guard import MAX_ID, Action, Form, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.ops import dlq
@@ -61,24 +61,69 @@ ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|s
 """What a parked message's id looks like (``dlq.Parked.id``)."""
 VERBS = {"replay": "replayed", "purge": "purged"}
 """The actions, and what their result says they did (audited as ``dlq <action>``)."""
+INTERRUPTED = "interrupted: the console stopped before the action ended"
+"""Why an action cut short by the console's stop failed, in its audit entry."""
 
 
-_locks: weakref.WeakKeyDictionary[Console, asyncio.Lock] = weakref.WeakKeyDictionary()
+MAX_WAITING_VIEWS = 4
+"""Views of the DLQ (pages asked for by a GET) that wait at most while another sweep runs; one
+more is answered 503 at once. Each view is a sweep of up to ``dlq.SCAN_LIMIT`` messages, seconds
+long, so without this bound anyone logged in could queue views until every request the console
+serves at once (``ingress_max_requests``) waited for the DLQ, and no other page answered. An
+operator's preview or confirmation is never refused for it: it waits behind these few."""
 
 
-def sweep_lock(console: Console) -> asyncio.Lock:
-    """The lock that lets one sweep of ``console``'s DLQ run at a time, made on first use."""
-    lock = _locks.get(console)
-    if lock is None:
-        lock = _locks[console] = asyncio.Lock()
-    return lock
+@dataclass
+class Sweeps:
+    """The sweeps of one console's DLQ: the lock that lets one run at a time, and how many views
+    wait for it."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting_views: int = 0
+
+
+_sweeps: weakref.WeakKeyDictionary[Console, Sweeps] = weakref.WeakKeyDictionary()
+
+
+def sweeps_of(console: Console) -> Sweeps:
+    """``console``'s ``Sweeps``, made on first use."""
+    sweeps = _sweeps.get(console)
+    if sweeps is None:
+        sweeps = _sweeps[console] = Sweeps()
+    return sweeps
 
 
 @contextlib.asynccontextmanager
-async def _sweeping(console: Console) -> AsyncIterator[AbstractRobustConnection]:
-    """The broker connection, for one sweep of the DLQ at a time (see the module's invariant);
-    a broker that cannot be reached is a 503, a DLQ that does not exist a 404."""
-    async with sweep_lock(console):
+async def _turn(console: Console, *, view: bool) -> AsyncIterator[None]:
+    """Hold the sweep lock of ``console``'s DLQ; a view is refused (503) rather than wait behind
+    ``MAX_WAITING_VIEWS`` others."""
+    sweeps = sweeps_of(console)
+    if view and sweeps.waiting_views >= MAX_WAITING_VIEWS:
+        raise HTTPException(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"the dead-letter queue is being read, and {MAX_WAITING_VIEWS} more views of it "
+            "wait their turn: ask again in a few seconds",
+        )
+    waiting = 1 if view else 0
+    sweeps.waiting_views += waiting
+    try:
+        await sweeps.lock.acquire()
+    finally:
+        sweeps.waiting_views -= waiting
+    try:
+        yield
+    finally:
+        sweeps.lock.release()
+
+
+@contextlib.asynccontextmanager
+async def _sweeping(
+    console: Console, *, view: bool = False
+) -> AsyncIterator[AbstractRobustConnection]:
+    """The broker connection, for one sweep of the DLQ at a time (see the module's invariant
+    and ``MAX_WAITING_VIEWS``); a broker that cannot be reached is a 503, a DLQ that does not
+    exist a 404."""
+    async with _turn(console, view=view):
         try:
             connection = await console.broker()
         except Exception as exc:
@@ -161,7 +206,7 @@ async def groups_page(
     console = console_of(request)
     selection = selection_of(key, reason, handler)
     groups = None
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         depth = await dlq.depth(connection, console.settings)
         if depth is not None:
             groups = await dlq.grouped(
@@ -198,7 +243,7 @@ async def messages_page(
     scan = dlq.Scan(dlq.SCAN_LIMIT)
     page: list[dlq.Parked] = []
     matched = 0
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         depth = await dlq.depth(connection, console.settings)
         if depth is not None:
             found = dlq.browse(
@@ -265,7 +310,7 @@ async def message_page(
     console = console_of(request)
     if not ID.fullmatch(copy_id):
         raise HTTPException(HTTPStatus.NOT_FOUND, "no parked message has such an id")
-    async with _sweeping(console) as connection:
+    async with _sweeping(console, view=True) as connection:
         found = await dlq.find(
             connection,
             console.engine,
@@ -461,6 +506,13 @@ def _detail(chosen: Chosen, tally: dlq.Tally, scan: dlq.Scan) -> Mapping[str, An
 
 @router.post("/dead-letters/confirm")
 async def confirm(request: Request, action: OperatorAction) -> Response:
+    async with console_of(request).acting():
+        return await _confirmed(request, action)
+
+
+async def _confirmed(request: Request, action: Action) -> Response:
+    """Carry out the confirmed action, and write its audit entry however it ends (a stop of
+    the console that cancels it mid-way included: ``confirm`` makes the stop wait for it)."""
     console = console_of(request)
     chosen = chosen_of(action.form)
     parked_before = _moment(action.form.one("before"))
@@ -475,6 +527,19 @@ async def confirm(request: Request, action: OperatorAction) -> Response:
                     console, connection, chosen, scan, dry_run=False, parked_before=parked_before
                 )
             )
+    except asyncio.CancelledError:
+        await asyncio.shield(
+            audit.record(
+                console,
+                user,
+                name,
+                chosen.target,
+                tally.done_count,
+                f"failed: {INTERRUPTED}",
+                _detail(chosen, tally, scan),
+            )
+        )
+        raise
     except Exception as exc:
         why = exc.detail if isinstance(exc, HTTPException) else logs.describe_error(exc)
         await audit.record(
@@ -499,7 +564,7 @@ async def confirm(request: Request, action: OperatorAction) -> Response:
 
 @router.get("/dead-letters/done/{entry_id}")
 async def done_page(
-    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1)]
+    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1, lt=MAX_ID)]
 ) -> Response:
     """A replay's or a purge's result: its audit entry."""
     async with console_of(request).engine.connect() as conn:

@@ -6,8 +6,9 @@ timer refused).
 
 Invariant: every read is bounded whatever the outbox's size: the counts stop at
 ``inspection.OUTBOX_COUNT_LIMIT`` per state, a list is a keyset page of ``PAGE_SIZE`` rows of one
-index range, a row is read by its primary key with its body, headers and error cut in the
-database (``lookup.outbox_row``). An action is a preview that changes nothing (the action's
+index range (of one routing key: those among the next ``SCAN_ROWS`` rows of it), a row is read
+by its primary key with its body, headers and error cut in the database
+(``lookup.outbox_row``). An action is a preview that changes nothing (the action's
 own transaction, rolled back: exactly what it would do at that instant), then a confirmation
 carrying the exact selection previewed (row ids, message ids, or one routing key) and the
 session's CSRF token, which acts once and is written to the audit, then a result page (the
@@ -29,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 
 from worker.console import audit
-from worker.console.guard import Action, OperatorAction, Viewer
+from worker.console.guard import MAX_ID, Action, OperatorAction, Viewer
 from worker.console.state import Console, console_of
 from worker.console.templating import render
 from worker.logs import describe_error
@@ -41,6 +42,10 @@ router = APIRouter()
 
 PAGE_SIZE = 200
 """Rows a list shows at a time (then a link to the next page)."""
+SCAN_ROWS = 10_000
+"""Rows of a state a page of one routing key reads at most to find its rows (then a link reads
+the next as many): no index holds the routing key, so a rare one is sought a window at a time,
+never through the whole outbox."""
 PREVIEW_BYTES = 4096
 """Bytes of a body (characters of headers or an error) a row's page shows at first."""
 FULL_BYTES = 1 << 20
@@ -78,7 +83,7 @@ async def outbox_page(
     state: str | None = None,
     routing_key: Annotated[str | None, Query(max_length=MAX_ROUTING_KEY)] = None,
     after_at: datetime | None = None,
-    after_id: Annotated[int | None, Query(ge=0)] = None,
+    after_id: Annotated[int | None, Query(ge=0, le=MAX_ID)] = None,
 ) -> Response:
     if state is not None and state not in inspection.OUTBOX_STATES:
         raise HTTPException(HTTPStatus.NOT_FOUND, "no such state of the outbox")
@@ -89,14 +94,25 @@ async def outbox_page(
     if state is None:
         state = next((s for s in FIRST_SHOWN if counts.counts[s]), "pending")
     after = None if after_id is None else inspection.OutboxCursor(after_at, after_id)
+    scan = SCAN_ROWS if routing_key is not None else None
     entries = await admin.read_outbox(
-        console.engine, [state], routing_key=routing_key, limit=PAGE_SIZE + 1, after=after
+        console.engine,
+        [state],
+        routing_key=routing_key,
+        limit=PAGE_SIZE + 1,
+        after=after,
+        scan=scan,
     )
     more = len(entries) > PAGE_SIZE
     entries = entries[:PAGE_SIZE]
+    cursor = inspection.OutboxCursor.of(entries[-1]) if more else None
+    window_end = None
+    if scan is not None and not more:
+        async with console.engine.connect() as conn:
+            window_end = await inspection.scan_end(conn, state, scan, after=after)
+        cursor = window_end
     following = None
-    if more:
-        cursor = inspection.OutboxCursor.of(entries[-1])
+    if cursor is not None:
         following = _url(
             "/outbox",
             state=state,
@@ -121,6 +137,7 @@ async def outbox_page(
         action=ACTIONS.get(state),
         page_size=PAGE_SIZE,
         error_chars=ERROR_CHARS,
+        window=scan if window_end is not None else None,
     )
 
 
@@ -136,7 +153,7 @@ async def row_page(
     request: Request,
     session: Viewer,
     state: str,
-    row_id: Annotated[int, Path(ge=0)],
+    row_id: Annotated[int, Path(ge=0, le=MAX_ID)],
     full: bool = False,
 ) -> Response:
     if state not in TABLES:
@@ -176,7 +193,7 @@ def _ids(action: Action) -> list[int]:
         ids = [int(raw) for raw in action.form.all("id")]
     except ValueError:
         raise HTTPException(HTTPStatus.BAD_REQUEST, "a selected id is not a number") from None
-    if any(i < 0 for i in ids):
+    if any(not 0 <= i <= MAX_ID for i in ids):
         raise HTTPException(HTTPStatus.BAD_REQUEST, "a selected id is not a row's id")
     return list(dict.fromkeys(ids))
 
@@ -393,7 +410,7 @@ VERBS = ("outbox.retry", "outbox.hurry", "outbox.cancel")
 
 @router.get("/outbox/done/{entry_id}")
 async def done_page(
-    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1)]
+    request: Request, session: Viewer, entry_id: Annotated[int, Path(ge=1, lt=MAX_ID)]
 ) -> Response:
     async with console_of(request).engine.connect() as conn:
         found = await audit_table.page(conn, before=entry_id + 1, limit=1)
