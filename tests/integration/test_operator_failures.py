@@ -39,6 +39,7 @@ from tests.helpers import (
 )
 from tests.integration.support import ROOT, declare, publish, start_worker
 from tests.integration.tcp_proxy import TcpProxy, tcp_proxy
+from worker import testing
 from worker.ops.cli import Exit
 from worker.settings import Settings
 from worker.transport.topology import declare_topology
@@ -233,6 +234,46 @@ def test_an_ingress_port_another_process_holds_names_the_setting(settings: Setti
     assert traceback_lines(done.stderr) == []
     (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
     assert "WORKER_INGRESS_PORT (--ingress-port)" in line
+
+
+def test_a_console_port_another_process_holds_names_the_console_setting(
+    settings: Settings,
+) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = worker(
+            settings,
+            "console",
+            WORKER_CONSOLE_PORT=str(port),
+            WORKER_CONSOLE_OPERATOR_TOKENS="olivia:operator-token-0123456789abcdef",
+        )
+
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert traceback_lines(done.stderr) == []
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
+    assert "the console did not start" in line
+    assert "WORKER_CONSOLE_PORT (--console-port)" in line
+
+
+def test_a_console_on_a_database_behind_the_code_says_so_in_one_sentence(
+    settings: Settings,
+) -> None:
+    # Given a database no migration has run on
+    with testing.empty_database(settings, prefix="worker_console_behind") as empty:
+        # When the console starts on it
+        done = worker(
+            empty,
+            "console",
+            WORKER_CONSOLE_PORT="0",
+            WORKER_CONSOLE_OPERATOR_TOKENS="olivia:operator-token-0123456789abcdef",
+        )
+
+    # Then it exits 2 in one sentence that says what to run, before it listens
+    assert done.returncode == Exit.USAGE, done.stderr
+    assert traceback_lines(done.stderr) == []
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("worker: error:")]
+    assert "worker migrate" in line
+    assert "serving the console" not in done.stderr
 
 
 @pytest.mark.parametrize(

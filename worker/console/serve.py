@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from worker import database
+from worker import database, schema
 from worker.backoff import while_starting
 from worker.console.app import create_app
 from worker.console.state import APPLICATION_NAME, POOL_SIZE
@@ -29,7 +29,11 @@ async def serve(
     )
     try:
         app = create_app(settings, engine=engine)
-        await while_starting(log, settings.startup_timeout)(database.probe, engine)
+        # (checked before listening, so a database that is behind is one sentence, not a
+        # traceback from the application's startup)
+        await while_starting(log, settings.startup_timeout)(
+            schema.require_current, engine, settings, None
+        )
 
         def listening(port: int) -> None:
             log.info(
@@ -45,7 +49,14 @@ async def serve(
                 started(port)
 
         await serve_app(
-            app, settings.console_host, settings.console_port, stop, listening, settings=settings
+            app,
+            settings.console_host,
+            settings.console_port,
+            stop,
+            listening,
+            settings=settings,
+            name="console",
+            port_setting="console_port",
         )
     finally:
         await engine.dispose()

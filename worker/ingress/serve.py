@@ -113,11 +113,14 @@ async def serve_app(
     started: Callable[[int], object] | None = None,
     *,
     settings: Settings | None = None,
+    name: str = "ingress",
+    port_setting: str = "ingress_port",
 ) -> None:
     """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no uvicorn access
     log, no ``Server`` header, forwarded headers not trusted, the connection bounds of
     ``settings``: see ``worker.ingress.connections``) until ``stop`` is set, then shut down
-    gracefully; ``started`` gets the port bound once it listens."""
+    gracefully; ``started`` gets the port bound once it listens. ``name`` and ``port_setting``
+    (the setting of its port) are what a failure to start names."""
     settings = Settings() if settings is None else settings
     limits = Limits(
         max_connections=open_files_allow(settings.ingress_max_connections),
@@ -141,7 +144,7 @@ async def serve_app(
         timeout_graceful_shutdown=SHUTDOWN_GRACE,
     )
     server = _Server(config)
-    task = asyncio.create_task(_serving(server), name="ingress")
+    task = asyncio.create_task(_serving(server, name, port_setting), name=name)
     await first(server.listening.wait(), asyncio.shield(task))
     if server.started:
         if started is not None:
@@ -175,7 +178,7 @@ def open_files_allow(connections: int) -> int:
     return allowed
 
 
-async def _serving(server: uvicorn.Server) -> None:
+async def _serving(server: uvicorn.Server, name: str, port_setting: str) -> None:
     """``server.serve()``, whose failure to start (it calls ``sys.exit``: a port taken, the
     application's startup refused) becomes a ``ConfigurationError`` instead of a ``SystemExit``
     that would leave the event loop at once."""
@@ -183,6 +186,7 @@ async def _serving(server: uvicorn.Server) -> None:
         await server.serve()
     except SystemExit as exc:
         raise ConfigurationError(
-            f"the ingress did not start (uvicorn exited with {exc.code}): see the log above; "
-            "a port another process holds is changed with WORKER_INGRESS_PORT (--ingress-port)"
+            f"the {name} did not start (uvicorn exited with {exc.code}): see the log above; "
+            f"a port another process holds is changed with WORKER_{port_setting.upper()} "
+            f"(--{port_setting.replace('_', '-')})"
         ) from None
