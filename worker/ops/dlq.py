@@ -29,16 +29,24 @@ this module only reads them (and deletes the records of copies it purges).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika import IncomingMessage
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 from aio_pika.exceptions import ChannelNotFoundEntity
+from aiormq.abc import DeliveredMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.core.envelope import Delivery, key_or_none
@@ -339,15 +347,101 @@ async def _left_parked(
     """``list``'s action: none; the message returns to its place when the channel closes."""
 
 
-async def _parked(
-    engine: AsyncEngine, settings: Settings, message: AbstractIncomingMessage
-) -> Parked:
-    """``message`` as ``Parked``, with the worker's record of its parking id if there is one."""
-    record = None
-    if (parking_id := parking_id_of(message)) is not None:
-        async with engine.connect() as conn:
-            record = await parkings.find_parking(conn, parking_id)
-    return Parked.of(message, record, settings)
+CHUNK = 100
+"""Messages a sweep takes from the DLQ at a time at most (its consumer's prefetch) and looks up
+the records of in one statement: the most bodies it holds at once."""
+
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Bytes of bodies a sweep means to hold at once: after a chunk whose largest body had ``B``
+bytes, the next takes at most ``CHUNK_BYTES // B`` messages (at least one); the first takes one.
+A chunk of small bodies followed by large ones is the worst case: ``CHUNK`` large bodies."""
+
+STALL_SECONDS = 2.0
+"""How long a sweep waits for a message the queue counted as ready before it cancels its
+consumer and asks the queue again (another client took the message meanwhile): a wait, never
+a reason to stop early or to skip a message."""
+
+Taken = tuple[AbstractIncomingMessage, ParkingRow | None]
+"""A message taken from the DLQ, unacked, with the worker's record of its parking id (if any)."""
+
+
+class _Taking:
+    """The DLQ's messages, unacked, in the queue's order, taken a chunk at a time on a sweep's
+    channel, each with the worker's record of its parking id (one statement per chunk, on a
+    connection checked out for it alone: none is held while a message is acted on).
+
+    A chunk is a consumer of its own: its prefetch is as many messages as the queue counts
+    ready (at most ``CHUNK``, fewer after large bodies: ``CHUNK_BYTES``), so the broker
+    delivers no more than that, and none after the consumer's ``basic.cancel-ok`` (aiormq runs
+    each delivery's callback, which keeps the message, before that answer's waiter); the rest
+    stay on the broker. A chunk of one, and a queue that counts none ready, are asked with
+    ``basic.get``, whose empty answer alone ends the sweep (the count can lag behind messages a
+    closed channel is returning).
+    """
+
+    def __init__(self, channel: AbstractChannel, queue: AbstractQueue, engine: AsyncEngine):
+        self._channel = channel
+        self._queue = queue
+        self._engine = engine
+        self._held: deque[Taken] = deque()
+        self._delivered: list[AbstractIncomingMessage] = []
+        self._arrived = asyncio.Event()
+        self._largest = CHUNK_BYTES  # the previous chunk's largest body: none yet, so one
+
+    async def next(self, most: int) -> Taken | None:
+        """The next message and its record (taking at most ``most`` more from the queue when
+        none is held), or None when the queue has none left to give."""
+        if not self._held:
+            fits = max(1, CHUNK_BYTES // max(1, self._largest))
+            taken = await self._take(min(most, CHUNK, fits))
+            if taken:
+                self._largest = max(len(message.body) for message in taken)
+            await self._look_up(taken)
+        return self._held.popleft() if self._held else None
+
+    async def more(self) -> bool:
+        """True when the queue holds another message (which stays where it is)."""
+        return bool(self._held) or await self._queue.get(no_ack=False, fail=False) is not None
+
+    async def _take(self, most: int) -> list[AbstractIncomingMessage]:
+        """Up to ``most`` messages from the head of the queue, in its order."""
+        underlay = await self._channel.get_underlay_channel()
+        if most > 1:
+            declared = await underlay.queue_declare(self._queue.name, passive=True)
+            most = min(most, declared.message_count or 0)
+        if most <= 1:
+            message = await self._queue.get(no_ack=False, fail=False)
+            return [] if message is None else [message]
+        await underlay.basic_qos(prefetch_count=most)
+        tag = f"worker-dlq-{uuid.uuid4().hex}"
+        await underlay.basic_consume(self._queue.name, self._deliver, consumer_tag=tag)
+        while len(self._delivered) < most:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), STALL_SECONDS)
+            except TimeoutError:
+                break
+        await underlay.basic_cancel(tag)
+        taken, self._delivered = self._delivered, []
+        return taken
+
+    async def _deliver(self, delivered: DeliveredMessage) -> None:
+        """Keep a message the chunk's consumer was delivered (aiormq calls it in order)."""
+        self._delivered.append(IncomingMessage(delivered, no_ack=False))
+        self._arrived.set()
+
+    async def _look_up(self, messages: list[AbstractIncomingMessage]) -> None:
+        """Hold ``messages`` with the worker's records of their parking ids."""
+        if not messages:
+            return
+        ids = {found for message in messages if (found := parking_id_of(message)) is not None}
+        records: dict[uuid.UUID, ParkingRow] = {}
+        if ids:
+            async with self._engine.connect() as conn:
+                records = await parkings.find_parkings(conn, ids)
+        for message in messages:
+            parking_id = parking_id_of(message)
+            self._held.append((message, None if parking_id is None else records.get(parking_id)))
 
 
 async def _sweep(
@@ -361,35 +455,37 @@ async def _sweep(
     parked_before: datetime | None = None,
     scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
-    """Take the DLQ's messages one at a time, oldest first, and ``act`` on each one that
-    ``selection`` matches, until ``limit`` are done, ``scan``'s limit are taken or the queue has
-    none left to give.
+    """Take the DLQ's messages in order, oldest first, and ``act`` on each one that
+    ``selection`` matches, one at a time, until ``limit`` are done, ``scan``'s limit are taken
+    or the queue has none left to give.
 
-    Every message is taken unacked on a channel of its own: one the action does not ack returns
-    to its place in the queue when the channel closes. Only the current message's body is held;
-    the rest are delivery tags on the broker, so memory stays bounded by one message whatever
-    the queue holds. A passive declare's message count can lag behind requeued messages, so it
-    is not the bound. With ``parked_before``, messages parked later (a replayed message failing
+    Every message is taken unacked on a channel of its own (``_Taking``: ``CHUNK`` at a time):
+    one the action does not ack returns to its place in the queue when the channel closes,
+    and so do the ones taken but not reached. At most a chunk's bodies are held; the rest are
+    delivery tags on the broker, so memory stays bounded by ``CHUNK`` messages whatever the
+    queue holds. With ``parked_before``, messages parked later (a replayed message failing
     again, say) are left alone, so a sweep never takes back what it sent.
     """
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     try:
         queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
+        taking = _Taking(channel, queue, engine)
         done = 0
         while limit is None or done < limit:
             if scan is not None and scan.taken >= scan.limit:
-                scan.more = await queue.get(no_ack=False, fail=False) is not None
+                scan.more = await taking.more()
                 break
-            message = await queue.get(no_ack=False, fail=False)
-            if message is None:
+            taken = await taking.next(CHUNK if scan is None else scan.limit - scan.taken)
+            if taken is None:
                 break
             if scan is not None:
                 scan.taken += 1
-            parked = await _parked(engine, settings, message)
+            message, record = taken
+            parked = Parked.of(message, record, settings)
             if not selection.matches(parked) or _parked_later(parked, parked_before):
                 continue
             outcome = Outcome(parked, await act(channel, message, parked))
-            del message  # the body goes; the delivery tag stays with the channel
+            del message, taken  # the body goes; the delivery tag stays with the channel
             done += outcome.done
             yield outcome
     finally:
