@@ -4,9 +4,10 @@ selection of ids acts on those copies only, an action confirmed after a preview 
 parked since, and the DLQ's depth is read without ever declaring it.
 
 A sweep takes the queue a chunk at a time (``dlq.CHUNK``, made 3 here so that five or eight
-copies span chunks): it keeps the queue's order across chunks, takes no more than a chunk ahead
-of what it has shown, finds each chunk's records in one primary-key lookup, and is not stalled
-by a message the queue counted but never delivers.
+copies span chunks): it keeps the queue's order across chunks (a quorum queue's too, when it
+reaches its end), takes no more than a chunk ahead of what it has shown, finds each chunk's
+records in one primary-key lookup, and is not stalled by a message the queue counted but never
+delivers.
 """
 
 from __future__ import annotations
@@ -297,3 +298,35 @@ async def test_a_chunks_records_are_found_in_one_primary_key_lookup(
     # and a lookup of more than a bounded number of ids at once is refused
     with pytest.raises(ValueError, match="at most"):
         parkings.find_parkings_query([uuid.uuid4() for _ in range(parkings.MAX_FOUND + 1)])
+
+
+async def test_a_quorum_dlq_keeps_its_order_through_sweeps_that_reach_its_end(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection
+) -> None:
+    # Given eight messages parked in a quorum DLQ, which puts the messages given back to it
+    # behind those it still holds, in the order they come back
+    quorum = settings.replace(queue_type="quorum")
+    await park(amqp, engine, quorum, *EIGHT)
+
+    # When it is listed twice, three messages in three chunks are purged by id, and then a
+    # browse is left after its second message
+    first = await parked_keys(amqp, engine, quorum)
+    again = await parked_keys(amqp, engine, quorum)
+    listed = await dlq.list_parked(amqp, engine, quorum)
+    chosen = frozenset(listed[n].id for n in (1, 3, 6))
+    tally = await dlq.Tally().carry_out(
+        dlq.purging(amqp, engine, quorum, selection=dlq.Selection(ids=chosen))
+    )
+    after_purge = await parked_keys(amqp, engine, quorum)
+    async with contextlib.aclosing(dlq.browse(amqp, engine, quorum)) as outcomes:
+        shown = [(await anext(outcomes)).parked.key for _ in range(2)]
+
+    # Then each sweep that reached the end found them in the order they were parked and left
+    # them in it, the purge too
+    assert first == again == [f"k{n}" for n in range(1, 9)]
+    assert tally.done_count == 3
+    assert after_purge == ["k1", "k3", "k5", "k6", "k8"]
+    # and the browse left early gave back what it took (a chunk of one, then one of three:
+    # k1, then k3 k5 k6), in its order, behind k8, which it never took
+    assert shown == ["k1", "k3"]
+    assert await parked_keys(amqp, engine, quorum) == ["k8", "k1", "k3", "k5", "k6"]
