@@ -17,9 +17,9 @@ the chunk's, so memory stays bounded whatever the queue holds. The messages they
 when they end: a classic queue puts each back in its place, so its order never changes; a quorum
 queue puts them, in their order, behind the messages it still holds, so its order is unchanged
 by a sweep that reached its end, and one that stopped early moves what it took (its last chunk
-included) behind the rest. Given a ``Scan``, they
-take no more than its limit of messages (matching or not) and say whether the queue held more:
-what a page of the console, which must answer in seconds, reads and acts on.
+included) behind the rest. Given a ``Scan``, they take no more than its limit of messages
+(matching or not) and say whether the queue held more: what a page of the console, which must
+answer in seconds, reads and acts on.
 ``grouped`` sums a scan up by reason and handler (``Group``), and ``tally`` sums up what a bulk
 action did, for the CLI's summary and the console's preview alike. A replayed
 message's failed state is cleared first (only when its record says the worker recorded it), then
@@ -351,7 +351,7 @@ Act = Callable[[AbstractChannel, AbstractIncomingMessage, Parked], Awaitable[str
 async def _left_parked(
     channel: AbstractChannel, message: AbstractIncomingMessage, parked: Parked
 ) -> None:
-    """``list``'s action: none; the message returns to its place when the channel closes."""
+    """``list``'s action: none; the message goes back to the queue when the sweep ends."""
 
 
 CHUNK = 100
@@ -390,9 +390,10 @@ class _Taking:
     puts returned messages behind those it holds, in the order they come back, and a closing
     channel returns each consumer's in order but the consumers in any order: for one
     (``settings.queue_type``), ``give_back`` returns what the sweep took and did not settle
-    before its channel closes, one ``basic.nack`` (``multiple``) per chunk, in the order taken.
-    For that it keeps the delivery tag (8 bytes) of each message handed out and not settled,
-    and the last one of each chunk; no body.
+    before its channel closes, one ``basic.nack`` (``multiple``) per chunk, in the order taken
+    (one per message would cost a classic queue a requeue each). For that it keeps the delivery
+    tag (8 bytes) of each message handed out and not settled, and the last one of each chunk; no
+    body.
     """
 
     def __init__(
@@ -418,17 +419,20 @@ class _Taking:
             taken = await self._take(min(most, CHUNK, fits))
             if taken:
                 self._largest = max(len(message.body) for message in taken)
-                self._ends.append(taken[-1].delivery_tag or 0)
+                if self._quorum:
+                    self._ends.append(taken[-1].delivery_tag or 0)
             await self._look_up(taken)
         if not self._held:
             return None
         taken_one = self._held.popleft()
-        self._given.append(taken_one[0].delivery_tag or 0)
+        if self._quorum:
+            self._given.append(taken_one[0].delivery_tag or 0)
         return taken_one
 
     def settled(self) -> None:
         """The message handed out last was settled (acked): it is not to be given back."""
-        self._given.pop()
+        if self._quorum:
+            self._given.pop()
 
     async def give_back(self) -> None:
         """Return every message taken and not settled to a quorum queue, in the order taken
@@ -446,7 +450,7 @@ class _Taking:
             while tag > end:
                 if last:
                     await underlay.basic_nack(last, multiple=True, requeue=True)
-                end, last = next(ends), 0
+                end, last = next(ends, tag), 0
             last = tag
         if last:
             await underlay.basic_nack(last, multiple=True, requeue=True)
@@ -461,7 +465,8 @@ class _Taking:
         if message is None:
             return False
         self._held.append((message, None))
-        self._ends.append(message.delivery_tag or 0)
+        if self._quorum:
+            self._ends.append(message.delivery_tag or 0)
         return True
 
     async def _ready(self) -> int:
@@ -529,10 +534,10 @@ async def _sweep(
     one the action does not ack goes back to the queue when the sweep ends (see the module's
     docstring for where), and so do the ones taken but not reached; the channel's close gives
     back whatever a failing sweep could not. At most a chunk's bodies are held; the rest are
-    delivery tags (8 bytes each, kept to give them back), so memory stays bounded by ``CHUNK``
-    bodies. With
-    ``parked_before``, messages parked later (a replayed message failing again, say) are left
-    alone, so a sweep never takes back what it sent.
+    delivery tags on the broker (and, for a quorum queue, 8 bytes each here, to give them back),
+    so memory stays bounded by ``CHUNK`` bodies. With ``parked_before``, messages parked later
+    (a replayed message failing again, say) are left alone, so a sweep never takes back what it
+    sent.
     """
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
     taking: _Taking | None = None
@@ -876,7 +881,7 @@ async def depth(connection: AbstractRobustConnection, settings: Settings) -> int
 
 SCAN_LIMIT = 10_000
 """Messages a view of the DLQ (its groups, a page of its messages, a preview, the action it
-confirms) takes from the queue at most: at about a millisecond each, ten seconds."""
+confirms) takes from the queue at most: about two seconds of reading (``benchmarks.dlq_sweep``)."""
 
 
 @dataclass(frozen=True)
