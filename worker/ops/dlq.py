@@ -10,11 +10,16 @@ never replayed without ``force``, and a forced replay sends it back as a fresh d
 clears no inbox row, so the consumer's own checks (its key's inbox row) decide. A purge takes an
 unverified copy only when asked for them (``--reason unverified``) or for everything.
 
-``browse``, ``replaying`` and ``purging`` take the DLQ one message at a time, unacked, and hold no
-body but the current one, so memory stays bounded whatever the queue holds; a message they leave
-returns to its place when their channel closes, so the queue's order never changes. Given a
-``Scan``, they take no more than its limit of messages (matching or not) and say whether the
-queue held more: what a page of the console, which must answer in seconds, reads and acts on.
+``browse``, ``replaying`` and ``purging`` take the DLQ in its order, unacked, a chunk at a time
+(``CHUNK`` messages at most, fewer when their bodies are large: ``CHUNK_BYTES``), look up the
+chunk's records in one statement, and act on its messages one at a time; they hold no bodies but
+the chunk's, so memory stays bounded whatever the queue holds. The messages they leave go back
+when they end: a classic queue puts each back in its place, so its order never changes; a quorum
+queue puts them, in their order, behind the messages it still holds, so its order is unchanged
+by a sweep that reached its end, and one that stopped early moves what it took (its last chunk
+included) behind the rest. Given a ``Scan``, they take no more than its limit of messages
+(matching or not) and say whether the queue held more: what a page of the console, which must
+answer in seconds, reads and acts on.
 ``grouped`` sums a scan up by reason and handler (``Group``), and ``tally`` sums up what a bulk
 action did, for the CLI's summary and the console's preview alike. A replayed
 message's failed state is cleared first (only when its record says the worker recorded it), then
@@ -29,16 +34,26 @@ this module only reads them (and deletes the records of copies it purges).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import itertools
 import uuid
-from collections import Counter
+from array import array
+from collections import Counter, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from aio_pika.abc import AbstractChannel, AbstractIncomingMessage, AbstractRobustConnection
+from aio_pika import IncomingMessage
+from aio_pika.abc import (
+    AbstractChannel,
+    AbstractIncomingMessage,
+    AbstractQueue,
+    AbstractRobustConnection,
+)
 from aio_pika.exceptions import ChannelNotFoundEntity
+from aiormq.abc import DeliveredMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.core.envelope import Delivery, key_or_none
@@ -336,18 +351,168 @@ Act = Callable[[AbstractChannel, AbstractIncomingMessage, Parked], Awaitable[str
 async def _left_parked(
     channel: AbstractChannel, message: AbstractIncomingMessage, parked: Parked
 ) -> None:
-    """``list``'s action: none; the message returns to its place when the channel closes."""
+    """``list``'s action: none; the message goes back to the queue when the sweep ends."""
 
 
-async def _parked(
-    engine: AsyncEngine, settings: Settings, message: AbstractIncomingMessage
-) -> Parked:
-    """``message`` as ``Parked``, with the worker's record of its parking id if there is one."""
-    record = None
-    if (parking_id := parking_id_of(message)) is not None:
-        async with engine.connect() as conn:
-            record = await parkings.find_parking(conn, parking_id)
-    return Parked.of(message, record, settings)
+CHUNK = 100
+"""Messages a sweep takes from the DLQ at a time at most (its consumer's prefetch) and looks up
+the records of in one statement: the most bodies it holds at once."""
+
+CHUNK_BYTES = 4 * 1024 * 1024
+"""Bytes of bodies a sweep means to hold at once: after a chunk whose largest body had ``B``
+bytes, the next takes at most ``CHUNK_BYTES // B`` messages (at least one); the first takes one.
+A chunk of small bodies followed by large ones is the worst case: ``CHUNK`` large bodies."""
+
+STALL_SECONDS = 2.0
+"""How long a sweep waits for a message the queue counted as ready before it cancels its
+consumer and asks the queue again (another client took the message meanwhile): a wait, never
+a reason to stop early or to skip a message."""
+
+Taken = tuple[AbstractIncomingMessage, ParkingRow | None]
+"""A message taken from the DLQ, unacked, with the worker's record of its parking id (if any)."""
+
+
+class _Taking:
+    """The DLQ's messages, unacked, in the queue's order, taken a chunk at a time on a sweep's
+    channel, each with the worker's record of its parking id (one statement per chunk, on a
+    connection checked out for it alone: none is held while a message is acted on).
+
+    A chunk is a consumer of its own, started with a prefetch of as many messages as the queue
+    counts ready (at most ``CHUNK``, fewer after large bodies: ``CHUNK_BYTES``), so the broker
+    delivers no more than that, and none after its ``basic.cancel-ok`` (aiormq runs each
+    delivery's callback, which keeps the message, before that answer's waiter); the rest stay
+    on the broker. Only a queue that counts none ready is asked with ``basic.get``, whose empty
+    answer alone ends the sweep (the count can lag behind messages a closed channel is
+    returning).
+
+    A classic queue puts a message back in its place however it comes back, and a closing
+    channel gives back all of them at once, so the sweep's close is enough. A quorum queue
+    puts returned messages behind those it holds, in the order they come back, and a closing
+    channel returns each consumer's in order but the consumers in any order: for one
+    (``settings.queue_type``), ``give_back`` returns what the sweep took and did not settle
+    before its channel closes, one ``basic.nack`` (``multiple``) per chunk, in the order taken
+    (one per message would cost a classic queue a requeue each). For that it keeps the delivery
+    tag (8 bytes) of each message handed out and not settled, and the last one of each chunk; no
+    body.
+    """
+
+    def __init__(
+        self, channel: AbstractChannel, queue: AbstractQueue, engine: AsyncEngine, *, quorum: bool
+    ):
+        self._channel = channel
+        self._quorum = quorum
+        self._queue = queue
+        self._engine = engine
+        self._held: deque[Taken] = deque()
+        self._delivered: list[AbstractIncomingMessage] = []
+        self._arrived = asyncio.Event()
+        self._largest = CHUNK_BYTES  # the previous chunk's largest body: none yet, so one
+        self._given = array("Q")  # the delivery tags of messages handed out and not settled
+        self._ends = array("Q")  # the last delivery tag of each take
+        self._consuming: str | None = None
+
+    async def next(self, most: int) -> Taken | None:
+        """The next message and its record (taking at most ``most`` more from the queue when
+        none is held), or None when the queue has none left to give."""
+        if not self._held:
+            fits = max(1, CHUNK_BYTES // max(1, self._largest))
+            taken = await self._take(min(most, CHUNK, fits))
+            if taken:
+                self._largest = max(len(message.body) for message in taken)
+                if self._quorum:
+                    self._ends.append(taken[-1].delivery_tag or 0)
+            await self._look_up(taken)
+        if not self._held:
+            return None
+        taken_one = self._held.popleft()
+        if self._quorum:
+            self._given.append(taken_one[0].delivery_tag or 0)
+        return taken_one
+
+    def settled(self) -> None:
+        """The message handed out last was settled (acked): it is not to be given back."""
+        if self._quorum:
+            self._given.pop()
+
+    async def give_back(self) -> None:
+        """Return every message taken and not settled to a quorum queue, in the order taken
+        (a classic queue takes them back in order when the channel closes)."""
+        if not self._quorum:
+            return
+        underlay = await self._channel.get_underlay_channel()
+        if self._consuming is not None:
+            await underlay.basic_cancel(self._consuming)
+            self._consuming = None
+        held = (message.delivery_tag or 0 for message, _ in self._held)
+        ends = iter(self._ends)
+        end, last = next(ends, 0), 0
+        for tag in itertools.chain(self._given, held):
+            while tag > end:
+                if last:
+                    await underlay.basic_nack(last, multiple=True, requeue=True)
+                end, last = next(ends, tag), 0
+            last = tag
+        if last:
+            await underlay.basic_nack(last, multiple=True, requeue=True)
+        self._given, self._held, self._ends = array("Q"), deque(), array("Q")
+
+    async def more(self) -> bool:
+        """True when the queue holds another message (which stays where it is, unless only
+        ``basic.get`` finds it)."""
+        if self._held or await self._ready():
+            return True
+        message = await self._queue.get(no_ack=False, fail=False)
+        if message is None:
+            return False
+        self._held.append((message, None))
+        if self._quorum:
+            self._ends.append(message.delivery_tag or 0)
+        return True
+
+    async def _ready(self) -> int:
+        """The messages the queue counts ready (a passive declare on the sweep's channel)."""
+        underlay = await self._channel.get_underlay_channel()
+        declared = await underlay.queue_declare(self._queue.name, passive=True)
+        return declared.message_count or 0
+
+    async def _take(self, most: int) -> list[AbstractIncomingMessage]:
+        """Up to ``most`` messages from the head of the queue, in its order."""
+        most = min(most, await self._ready())
+        if most == 0:
+            message = await self._queue.get(no_ack=False, fail=False)
+            return [] if message is None else [message]
+        underlay = await self._channel.get_underlay_channel()
+        await underlay.basic_qos(prefetch_count=most)
+        self._consuming = f"worker-dlq-{uuid.uuid4().hex}"
+        await underlay.basic_consume(self._queue.name, self._deliver, consumer_tag=self._consuming)
+        while len(self._delivered) < most:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), STALL_SECONDS)
+            except TimeoutError:
+                break
+        await underlay.basic_cancel(self._consuming)
+        self._consuming = None
+        taken, self._delivered = self._delivered, []
+        return taken
+
+    async def _deliver(self, delivered: DeliveredMessage) -> None:
+        """Keep a message the chunk's consumer was delivered (aiormq calls it in order)."""
+        self._delivered.append(IncomingMessage(delivered, no_ack=False))
+        self._arrived.set()
+
+    async def _look_up(self, messages: list[AbstractIncomingMessage]) -> None:
+        """Hold ``messages`` with the worker's records of their parking ids."""
+        if not messages:
+            return
+        ids = {found for message in messages if (found := parking_id_of(message)) is not None}
+        records: dict[uuid.UUID, ParkingRow] = {}
+        if ids:
+            async with self._engine.connect() as conn:
+                records = await parkings.find_parkings(conn, ids)
+        for message in messages:
+            parking_id = parking_id_of(message)
+            self._held.append((message, None if parking_id is None else records.get(parking_id)))
 
 
 async def _sweep(
@@ -361,39 +526,63 @@ async def _sweep(
     parked_before: datetime | None = None,
     scan: Scan | None = None,
 ) -> AsyncGenerator[Outcome, None]:
-    """Take the DLQ's messages one at a time, oldest first, and ``act`` on each one that
-    ``selection`` matches, until ``limit`` are done, ``scan``'s limit are taken or the queue has
-    none left to give.
+    """Take the DLQ's messages in order, oldest first, and ``act`` on each one that
+    ``selection`` matches, one at a time, until ``limit`` are done, ``scan``'s limit are taken
+    or the queue has none left to give.
 
-    Every message is taken unacked on a channel of its own: one the action does not ack returns
-    to its place in the queue when the channel closes. Only the current message's body is held;
-    the rest are delivery tags on the broker, so memory stays bounded by one message whatever
-    the queue holds. A passive declare's message count can lag behind requeued messages, so it
-    is not the bound. With ``parked_before``, messages parked later (a replayed message failing
-    again, say) are left alone, so a sweep never takes back what it sent.
+    Every message is taken unacked on a channel of its own (``_Taking``: ``CHUNK`` at a time):
+    one the action does not ack goes back to the queue when the sweep ends (see the module's
+    docstring for where), and so do the ones taken but not reached; the channel's close gives
+    back whatever a failing sweep could not. At most a chunk's bodies are held; the rest are
+    delivery tags on the broker (and, for a quorum queue, 8 bytes each here, to give them back),
+    so memory stays bounded by ``CHUNK`` bodies. With ``parked_before``, messages parked later
+    (a replayed message failing again, say) are left alone, so a sweep never takes back what it
+    sent.
     """
     channel = await connection.channel(publisher_confirms=True, on_return_raises=True)
+    taking: _Taking | None = None
     try:
         queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
+        taking = _Taking(channel, queue, engine, quorum=settings.queue_type == "quorum")
         done = 0
         while limit is None or done < limit:
             if scan is not None and scan.taken >= scan.limit:
-                scan.more = await queue.get(no_ack=False, fail=False) is not None
+                scan.more = await taking.more()
                 break
-            message = await queue.get(no_ack=False, fail=False)
-            if message is None:
+            taken = await taking.next(CHUNK if scan is None else scan.limit - scan.taken)
+            if taken is None:
                 break
             if scan is not None:
                 scan.taken += 1
-            parked = await _parked(engine, settings, message)
+            message, record = taken
+            parked = Parked.of(message, record, settings)
             if not selection.matches(parked) or _parked_later(parked, parked_before):
                 continue
-            outcome = Outcome(parked, await act(channel, message, parked))
-            del message  # the body goes; the delivery tag stays with the channel
+            try:
+                outcome = Outcome(parked, await act(channel, message, parked))
+            finally:
+                if message.locked:  # acked
+                    taking.settled()
+            del message, taken  # the body goes; the delivery tag stays with the channel
             done += outcome.done
             yield outcome
+    except GeneratorExit:  # closed by its reader before the end: as good as the end
+        await _give_back(channel, taking)
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):  # the sweep's own failure is the one to report
+            await _give_back(channel, taking)
+        raise
+    else:
+        await _give_back(channel, taking)
     finally:
         await channel.close()
+
+
+async def _give_back(channel: AbstractChannel, taking: _Taking | None) -> None:
+    """Return what ``taking`` took and did not settle, in order, unless its channel closed."""
+    if taking is not None and not channel.is_closed:
+        await taking.give_back()
 
 
 def _parked_later(parked: Parked, moment: datetime | None) -> bool:
@@ -692,7 +881,7 @@ async def depth(connection: AbstractRobustConnection, settings: Settings) -> int
 
 SCAN_LIMIT = 10_000
 """Messages a view of the DLQ (its groups, a page of its messages, a preview, the action it
-confirms) takes from the queue at most: at about a millisecond each, ten seconds."""
+confirms) takes from the queue at most: about two seconds of reading (``benchmarks.dlq_sweep``)."""
 
 
 @dataclass(frozen=True)

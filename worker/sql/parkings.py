@@ -11,12 +11,14 @@ failed in the inbox; only then may a replay clear that inbox row.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import delete, exists, func, insert, select
+from sqlalchemy import Select, any_, bindparam, delete, exists, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
+from sqlalchemy.types import ARRAY, Uuid
 
 from worker.sql.tables import dead_letters, interval
 
@@ -62,12 +64,28 @@ async def record_parkings(conn: AsyncConnection, parkings: Sequence[ParkingRow])
     )
 
 
-async def find_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> ParkingRow | None:
-    """The parking recorded as ``parking_id``, or None when the worker recorded none."""
-    row = (
-        await conn.execute(select(*_COLUMNS).where(dead_letters.c.parking_id == parking_id))
-    ).first()
-    return None if row is None else ParkingRow(**row._asdict())
+MAX_FOUND = 1000
+"""Parking ids ``find_parkings`` looks up at once at most (a DLQ sweep asks for a chunk's)."""
+
+
+def find_parkings_query(parking_ids: Collection[uuid.UUID]) -> Select[Any]:
+    """The parkings recorded as any of ``parking_ids`` (``parking_id = ANY(:ids)``, one array
+    parameter: a range of primary-key lookups, at most ``MAX_FOUND``)."""
+    if len(parking_ids) > MAX_FOUND:
+        raise ValueError(f"at most {MAX_FOUND} parking ids at once, not {len(parking_ids)}")
+    ids = bindparam("parking_ids", list(parking_ids), type_=ARRAY(Uuid))
+    return select(*_COLUMNS).where(dead_letters.c.parking_id == any_(ids))
+
+
+async def find_parkings(
+    conn: AsyncConnection, parking_ids: Collection[uuid.UUID]
+) -> dict[uuid.UUID, ParkingRow]:
+    """The parkings recorded as any of ``parking_ids`` (at most ``MAX_FOUND``), by parking id;
+    an id the worker recorded no parking as is not in it. One statement, however many ids."""
+    if not parking_ids:
+        return {}
+    found = await conn.execute(find_parkings_query(parking_ids))
+    return {row.parking_id: ParkingRow(**row._asdict()) for row in found}
 
 
 async def forget_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> None:

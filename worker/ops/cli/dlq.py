@@ -1,5 +1,5 @@
 """``worker dlq list``, ``show``, ``replay`` and ``purge``: their flags and what they print (the
-work itself, one message at a time, is ``worker.ops.dlq``'s)."""
+work itself is ``worker.ops.dlq``'s)."""
 
 from __future__ import annotations
 
@@ -390,7 +390,7 @@ DLQ = Family(
     "dlq",
     "inspect, replay or purge the dead-letter queue",
     "Messages parked in <queue>.dlq, and why; replay sends them back to run, "
-    "purge deletes them. Each takes the queue one message at a time (memory bounded by one "
-    "message); the messages it leaves keep their place and order.",
+    "purge deletes them. Each reads the queue a bounded chunk of messages at a time and acts "
+    "on one at a time; the messages it leaves keep their place and order.",
     (LIST, SHOW, REPLAY, PURGE),
 )
