@@ -320,7 +320,7 @@ async def test_a_long_body_is_cut_at_4_kib_with_a_link_to_all_of_it(
     async with running_console(settings) as console, logged_in(console, VIEWER_TOKEN) as viewer:
         cut = (await viewer.client.get(f"/dead-letters/message/{copy.id}")).text
         whole = (await viewer.client.get(f"/dead-letters/message/{copy.id}?full=1")).text
-        missing = await viewer.client.get("/dead-letters/message/sha256:0000000000000000")
+        missing = await viewer.client.get("/dead-letters/message/sha256:" + "0" * 32)
         malformed = await viewer.client.get("/dead-letters/message/..%2Faudit")
 
     # Then the page shows the first 4096 bytes (whole characters only), the header cut, and

@@ -437,9 +437,9 @@ async def test_show_escapes_a_hostile_body_and_bounds_it_unless_full(
     assert full.stdout.rstrip().endswith("END")
     assert await broker_depth(settings.dead_letter_queue) == 1
 
-    missing = await worker(settings, "show", "sha256:0000000000000000")
+    missing = await worker(settings, "show", "sha256:00000000000000000000000000000000")
     assert missing.returncode == 2
-    assert "no message with id 'sha256:0000000000000000'" in missing.stderr
+    assert "no message with id 'sha256:00000000000000000000000000000000'" in missing.stderr
 
 
 async def test_an_unknown_reason_is_a_usage_error_that_lists_the_reasons(

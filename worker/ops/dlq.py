@@ -159,10 +159,12 @@ class Parked:
     @property
     def id(self) -> str:
         """What ``worker dlq show`` finds the copy by: its parking id when verified, else its
-        body's SHA-256 (its first 16 hex digits): an unverified copy has no id the worker made."""
+        body's SHA-256 (its first 32 hex digits, 128 bits: two bodies an attacker crafted to
+        share an id would take a collision search of 2**64): an unverified copy has no id the
+        worker made. Acting on an id acts on every copy with that body."""
         if self.parking_id is not None and self.verified:
             return str(self.parking_id)
-        return f"sha256:{self.body_sha256.hex()[:16]}"
+        return f"sha256:{self.body_sha256.hex()[:32]}"
 
     @classmethod
     def of(

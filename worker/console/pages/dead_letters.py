@@ -57,7 +57,7 @@ MAX_FILTER = 512
 """Characters a filter (key, handler) may have: a key has at most 512."""
 MAX_IDS = 1000
 """Messages a selection by id may name."""
-ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|sha256:[0-9a-f]{16}")
+ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}|sha256:[0-9a-f]{32}")
 """What a parked message's id looks like (``dlq.Parked.id``)."""
 VERBS = {"replay": "replayed", "purge": "purged"}
 """The actions, and what their result says they did (audited as ``dlq <action>``)."""
