@@ -37,13 +37,14 @@ noise, or, when it was not, what the console's share of the machine's CPU sugges
 
 ``--profile FILE`` records the first C arm's console process with ``py-spy`` (a tool, not a
 dependency: ``pip install py-spy``; it needs ptrace rights) in py-spy's raw (collapsed stacks)
-format, for ``flamegraph.pl`` or speedscope.
+format, for ``flamegraph.pl`` or speedscope. py-spy's own CPU then competes with that drain:
+profile in a run of its own, not in one whose figures you keep.
 
 A fresh database ``worker_bench_<hex>`` is created next to the one in ``WORKER_DATABASE_URL``,
 migrated and dropped at the end; broker names are ``bench-<hex>-c...``, deleted after each drain.
 From the repository root::
 
-    .venv/bin/python -m benchmarks.console [--messages 100000] [--rounds 3] [--quick]
+    .venv/bin/python -m benchmarks.console [--messages 60000] [--rounds 3] [--quick]
         [--profile console.txt]
 """
 
@@ -105,6 +106,9 @@ CALLS = 100
 """Calls of each read timed in this process after the rounds."""
 WARM_UP_MESSAGES = 20_000
 """The most messages of the warm-up drain before the rounds."""
+PROFILE_RATE = 1000
+"""Samples per second ``--profile`` takes (py-spy's default, 100, sees a few dozen refreshes'
+worth of a console that is mostly idle); ``--nonblocking``: the console is read, not paused."""
 GOAL = 0.02
 """The most an open overview may cost the worker's throughput: 2 %."""
 OPENING_PAGE = ("/overview", "/static/console.css", "/static/console.js")
@@ -435,7 +439,19 @@ def profiled(pid: int, output: Path | None, notes: list[str]) -> Iterator[None]:
         yield
         return
     spy = subprocess.Popen(
-        [found, "record", "--pid", str(pid), "--format", "raw", "--output", str(output)],
+        [
+            found,
+            "record",
+            "--pid",
+            str(pid),
+            "--rate",
+            str(PROFILE_RATE),
+            "--nonblocking",
+            "--format",
+            "raw",
+            "--output",
+            str(output),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -678,6 +694,7 @@ def report(results: Results, elapsed: float) -> str:
     lines += ["", *verdict(results, medians, rates, cores), ""]
     for arm in ARMS[1:]:
         lines += console_lines(results.drains, arm, cores)
+    lines += [*fitted(results.drains), ""]
     lines += [
         f"the reads behind a refresh, in this process, {CALLS} calls each:",
         f"  {'':<50}{'p50 ms':>8}{'p99 ms':>9}",
@@ -795,13 +812,36 @@ def console_lines(drains: Sequence[Drain], arm: Arm, cores: int) -> list[str]:
     return [*lines, ""]
 
 
+def fitted(drains: Sequence[Drain]) -> list[str]:
+    """The console process's CPU as a line through B's and C's (refreshes per second, CPU
+    seconds per second): what it spends open with nothing asked, and per refresh."""
+    points = []
+    for key in ("B", "C"):
+        opened = [d.console for d in drains if d.arm.key == key and d.console is not None]
+        seconds = sum(o.seconds for o in opened)
+        if not seconds:
+            return []
+        refreshes = sum(len(o.polled.refreshes) for o in opened)
+        points.append((refreshes / seconds, sum(o.console_cpu for o in opened) / seconds))
+    (r_b, cpu_b), (r_c, cpu_c) = points
+    if r_c <= r_b or cpu_c < cpu_b:
+        return []
+    per_refresh = (cpu_c - cpu_b) / (r_c - r_b)
+    idle = max(0.0, cpu_b - per_refresh * r_b)
+    return [
+        f"console process cpu, a line through (B) and (C): {5000 * idle:.1f} ms per 5 s open "
+        f"with nothing asked (uvicorn's ticks, heartbeats), + {1000 * per_refresh:.1f} ms per "
+        "refresh"
+    ]
+
+
 def parse_options(argv: list[str] | None) -> Options:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.console",
         description="What a console open on the overview costs the worker's throughput.",
     )
     parser.add_argument(
-        "--messages", type=positive_int, help="messages per drain (default 100000; 300 --quick)"
+        "--messages", type=positive_int, help="messages per drain (default 60000; 300 --quick)"
     )
     parser.add_argument(
         "--rounds", type=positive_int, help="rounds of A B C (default 3; 1 --quick)"
@@ -822,7 +862,7 @@ def parse_options(argv: list[str] | None) -> Options:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 300 messages, 1 round")
     args = parser.parse_args(argv)
-    messages = args.messages or (300 if args.quick else 100_000)
+    messages = args.messages or (300 if args.quick else 60_000)
     return Options(
         messages=messages,
         rounds=args.rounds or (1 if args.quick else 3),
