@@ -37,8 +37,8 @@ noise, or, when it was not, what the console's share of the machine's CPU sugges
 
 ``--profile FILE`` records the first C arm's console process with ``py-spy`` (a tool, not a
 dependency: ``pip install py-spy``; it needs ptrace rights) in py-spy's raw (collapsed stacks)
-format, for ``flamegraph.pl`` or speedscope. py-spy's own CPU then competes with that drain:
-profile in a run of its own, not in one whose figures you keep.
+format, for ``flamegraph.pl`` or speedscope. py-spy pauses the console for each sample and
+competes with that drain for the CPU: profile in a run of its own, not one whose figures you keep.
 
 A fresh database ``worker_bench_<hex>`` is created next to the one in ``WORKER_DATABASE_URL``,
 migrated and dropped at the end; broker names are ``bench-<hex>-c...``, deleted after each drain.
@@ -108,7 +108,9 @@ WARM_UP_MESSAGES = 20_000
 """The most messages of the warm-up drain before the rounds."""
 PROFILE_RATE = 1000
 """Samples per second ``--profile`` takes (py-spy's default, 100, sees a few dozen refreshes'
-worth of a console that is mostly idle); ``--nonblocking``: the console is read, not paused."""
+worth of a console that is mostly idle). py-spy pauses the process for each sample (its
+``--nonblocking`` reads stacks it cannot tell from idle ones), so the profiled console spends
+several times its usual CPU."""
 GOAL = 0.02
 """The most an open overview may cost the worker's throughput: 2 %."""
 OPENING_PAGE = ("/overview", "/static/console.css", "/static/console.js")
@@ -446,7 +448,6 @@ def profiled(pid: int, output: Path | None, notes: list[str]) -> Iterator[None]:
             str(pid),
             "--rate",
             str(PROFILE_RATE),
-            "--nonblocking",
             "--format",
             "raw",
             "--output",
