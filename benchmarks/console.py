@@ -18,7 +18,8 @@ After a warm-up drain (not counted), rounds run A B C, B C A, C A B, A B C, ... 
 the machine (another process, PostgreSQL's checkpoints, the page cache) reaches every arm alike
 and each arm runs as often first, second and third; each arm's median msg/s is taken over its
 rounds, with its spread ((max - min) / median), and B/A and C/A are ratios of those medians.
-``busy %`` is the machine's CPU time busy over a drain's whole arm (its preload included).
+``busy %`` is the share of the machine's CPU time that was busy over a drain's whole arm (its
+preload included, and in B and C the console's start).
 
 While B and C are open, from the client's ready (page loaded) to its stop: the requests it made
 and their latencies (nearest-rank p50 and p99); the console process's CPU seconds and its
@@ -692,7 +693,13 @@ def report(results: Results, elapsed: float) -> str:
             lines.append(f"{key}/A {ratio:>7.3f}x   (per round: {rounds})")
         else:
             lines.append(f"{key}/A       -   not measured")
-    lines += ["", *verdict(results, medians, rates, cores), ""]
+    lines += [
+        "(ratios of the arms' medians; one arm's drains vary by its spread, so a ratio nearer "
+        "1 than the spread is no measured difference)",
+        "",
+        *verdict(results, medians, rates, cores),
+        "",
+    ]
     for arm in ARMS[1:]:
         lines += console_lines(results.drains, arm, cores)
     lines += [*fitted(results.drains), ""]
@@ -706,7 +713,11 @@ def report(results: Results, elapsed: float) -> str:
             "  (pg_stat_statements is not in shared_preload_libraries: the database's time "
             "is these calls' wall time, round trips included)"
         )
-    lines.append(f"total {elapsed:.0f} s (scratch database, preloads and clean-up included)")
+    load_now = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    lines.append(
+        f"total {elapsed:.0f} s (scratch database, preloads and clean-up included), "
+        f"load average at the end {load_now}"
+    )
     notes = results.notes
     return "\n".join([*lines, *(["", *notes] if notes else [])])
 
