@@ -32,9 +32,15 @@ passive declares), its samples reads alone, the two passive declares alone, and 
 charts). PostgreSQL's ``pg_stat_statements`` would split the database's time by statement, but it
 needs ``shared_preload_libraries`` (a server restart): the benchmark does not rely on it.
 
-The throughput figures cannot resolve a cost below the spread of one arm's drains (10-30 % on a
-shared 2-core machine): the verdict on "under 2 %" says whether the cost was measured above the
-noise, or, when it was not, what the console's share of the machine's CPU suggests.
+The throughput figures cannot resolve a cost below the spread of one arm's drains (18-36 % within
+a run on a shared 2-core machine, docs/benchmarks.md): the verdict on "under 2 %" says whether
+the cost was measured above the noise, or, when it was not, what the console's share of the
+machine's CPU suggests.
+
+Invariant: the arms differ by the console alone (the same drain function, plan and broker names;
+the console and its client in processes of their own, started before the drain and stopped
+after it), and every figure of the console is the console's: its process's and its backends'
+CPU, its client's requests, never the worker's work.
 
 ``--profile FILE`` records the first C arm's console process with ``py-spy`` (a tool, not a
 dependency: ``pip install py-spy``; it needs ptrace rights) in py-spy's raw (collapsed stacks)
@@ -122,7 +128,7 @@ _CSRF = re.compile(r'name="login_csrf" value="([^"]+)"')
 
 
 class ConsoleFailed(Exception):
-    """The console or its client did not start, answered wrongly, or did not stop."""
+    """The console or its client did not start, or answered wrongly."""
 
 
 @dataclass(frozen=True)
