@@ -1,4 +1,5 @@
-"""``python -m benchmarks.throughput`` runs end to end against the services; timings unchecked."""
+"""The benchmarks (throughput, ingress, scheduled events, the console's cost) run end to end against
+the services; timings unchecked."""
 
 from __future__ import annotations
 
@@ -87,3 +88,27 @@ def test_scheduled_small_run_prints_every_ratio_and_publishes_none_early() -> No
     # and in both lateness runs every scheduled event arrived, none before it was due by the
     # database's clock
     assert result.stdout.count("  early 0, missing 0, ") == 2, result.stdout
+
+
+def test_console_quick_run_prints_each_arm_the_ratios_and_the_console_s_figures() -> None:
+    # Given a smoke run: one round of A, B and C on 300 messages, the real `worker console` in
+    # B and C with a client process that logs in and opens the overview
+    result = run_benchmark("console", "--quick")
+    # Then every arm drained, both ratios and the verdict on 2 % are printed
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for arm in ("(A) worker, no console", "(B) + console", "(C) + console"):
+        assert any(line.startswith(f"1      {arm}") for line in lines), result.stdout
+    for ratio in ("B/A", "C/A"):
+        assert any(line.startswith(ratio) and "x" in line for line in lines), result.stdout
+    assert any(line.startswith("under 2 %: ") for line in lines), result.stdout
+    # and in B and C the overview page loaded (logged in, answered 200), with its latency lines,
+    # the console's CPU and the reads behind a refresh
+    for arm in ("B", "C"):
+        [at] = [i for i, line in enumerate(lines) if line.startswith(f"console during ({arm})")]
+        summary = lines[at + 1]
+        assert "1 page loads, 0 not answered 200" in summary, result.stdout
+    for line in ("GET /overview/live", "GET /overview/charts", "cpu, console process: "):
+        assert result.stdout.count(f"  {line}") == 2, result.stdout
+    assert "history(): the charts' read" in result.stdout
+    assert "(n=100)" in result.stdout
