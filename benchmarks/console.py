@@ -98,10 +98,9 @@ from worker.console.templating import REFRESH_SECONDS
 from worker.database import create_engine
 from worker.ops import overview
 from worker.ops.runner import connect_broker
-from worker.ops.samples import declared
 from worker.settings import Settings, positive_float, positive_int
 from worker.testing import scratch_database
-from worker.transport.topology import declare_topology
+from worker.transport.topology import count_queues, declare_topology
 
 VIEWER = "bench"
 """The name of the console's read-only user the client logs in as."""
@@ -542,8 +541,7 @@ async def time_reads(bench: Bench) -> list[Timed]:
                 await overview.read_samples(conn, interval=settings.sample_interval)
 
         async def declares_alone() -> None:
-            await declared(connection, settings.queue)
-            await declared(connection, settings.dead_letter_queue)
+            await count_queues(connection, [settings.queue, settings.dead_letter_queue])
 
         async def charts() -> None:
             await overview.history(

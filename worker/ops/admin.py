@@ -32,7 +32,6 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from aio_pika.abc import AbstractConnection
-from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.database import one_connection
@@ -54,7 +53,7 @@ from worker.settings import Settings, format_duration
 from worker.sql import inspection, outbox
 from worker.sql.tables import INBOX_STATUSES
 from worker.transport.connection import connect
-from worker.transport.topology import worker_queues
+from worker.transport.topology import count_queues, worker_queues
 
 STATUS_TIMEOUT = 10.0
 """Seconds each part of ``status`` (database, broker) may take before it counts as unreachable."""
@@ -167,32 +166,18 @@ async def local_process(settings: Settings, *, within: float) -> ProcessStatus |
 
 
 async def queue_status(connection: AbstractConnection, settings: Settings) -> list[QueueStatus]:
-    """Message and consumer counts of the worker's queues, by passive declares.
-
-    A passive declare of a missing queue closes its channel, so each queue gets its own.
-    """
-    result: list[QueueStatus] = []
-    for role, name in worker_queues(settings):
-        channel = await connection.channel()
-        try:
-            queue = await channel.declare_queue(name, passive=True)
-        except ChannelNotFoundEntity:
-            result.append(QueueStatus(role, name, exists=False, messages=None, consumers=None))
-            continue
-        finally:
-            if not channel.is_closed:
-                await channel.close()
-        declared = queue.declaration_result
-        result.append(
-            QueueStatus(
-                role,
-                name,
-                exists=True,
-                messages=declared.message_count,
-                consumers=declared.consumer_count,
-            )
+    """Message and consumer counts of the worker's queues, by passive declares
+    (``topology.count_queues``)."""
+    queues = worker_queues(settings)
+    counts = await count_queues(connection, [name for _, name in queues])
+    return [
+        QueueStatus(role, name, exists=False, messages=None, consumers=None)
+        if found is None
+        else QueueStatus(
+            role, name, exists=True, messages=found.messages, consumers=found.consumers
         )
-    return result
+        for (role, name), found in zip(queues, counts, strict=True)
+    ]
 
 
 async def database_status(

@@ -52,7 +52,6 @@ from aio_pika.abc import (
     AbstractQueue,
     AbstractRobustConnection,
 )
-from aio_pika.exceptions import ChannelNotFoundEntity
 from aiormq.abc import DeliveredMessage
 from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -76,6 +75,7 @@ from worker.transport.dead_letters import (
     copy_properties,
 )
 from worker.transport.publisher import publish_on
+from worker.transport.topology import count_queues
 
 UNVERIFIED = "unverified"
 """The reason a copy without the worker's record of it is listed with (its own is a claim)."""
@@ -867,18 +867,9 @@ def purging(
 
 
 async def depth(connection: AbstractRobustConnection, settings: Settings) -> int | None:
-    """Messages in the DLQ now, or None when it does not exist (it is never declared here): a
-    passive declare on a channel of its own (a robust channel that declared the queue before
-    answers from its cache), which a missing queue closes."""
-    channel = await connection.channel()
-    try:
-        queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
-    except ChannelNotFoundEntity:
-        return None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    return queue.declaration_result.message_count or 0
+    """Messages in the DLQ now, or None when it does not exist (it is never declared here)."""
+    (found,) = await count_queues(connection, [settings.dead_letter_queue])
+    return None if found is None else found.messages
 
 
 SCAN_LIMIT = 10_000

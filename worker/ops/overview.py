@@ -27,12 +27,13 @@ from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from worker.logs import describe_error
-from worker.ops.samples import Declared, Role, declared
+from worker.ops.samples import Role
 from worker.settings import Settings, format_duration
 from worker.settings import field as setting_field
 from worker.sql import samples
 from worker.sql.samples import Gauge, Point, Sample
 from worker.telemetry import Count
+from worker.transport.topology import QueueCounts, count_queues
 
 SEEN_INTERVALS = 3
 """A process is listed while its last sample is at most this many sample intervals old."""
@@ -182,12 +183,13 @@ async def overview(
         async with asyncio.timeout(READ_TIMEOUT), snapshot.begin() as conn:
             return await read_samples(conn, interval=settings.sample_interval)
 
-    async def read_broker() -> tuple[Declared | None, Declared | None]:
+    async def read_broker() -> tuple[QueueCounts | None, QueueCounts | None]:
         if connection is None:
             raise ConnectionError("no connection to the broker")
         async with asyncio.timeout(READ_TIMEOUT):
-            work = await declared(connection, settings.queue)
-            dead = await declared(connection, settings.dead_letter_queue)
+            work, dead = await count_queues(
+                connection, [settings.queue, settings.dead_letter_queue]
+            )
         return work, dead
 
     database, broker = await asyncio.gather(read_database(), read_broker(), return_exceptions=True)
@@ -410,7 +412,7 @@ def _count(value: float | None) -> int | None:
     return None if value is None else int(value)
 
 
-def _queue_view(name: str, found: Declared | None) -> QueueView:
+def _queue_view(name: str, found: QueueCounts | None) -> QueueView:
     if found is None:
         return QueueView(name, exists=False, messages=None, consumers=None)
     return QueueView(name, exists=True, messages=found.messages, consumers=found.consumers)

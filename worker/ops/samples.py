@@ -20,11 +20,9 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from aio_pika.abc import AbstractConnection
-from aio_pika.exceptions import ChannelNotFoundEntity
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.backoff import first
@@ -36,6 +34,7 @@ from worker.sql.inspection import OutboxStats
 from worker.sql.samples import Gauge, NewSample
 from worker.transport.consumer import Consumer
 from worker.transport.deliveries import Received
+from worker.transport.topology import count_queues
 
 log = logging.getLogger(__name__)
 
@@ -149,30 +148,6 @@ def outbox_gauges(stats: OutboxStats | None) -> dict[str, float | None]:
         Gauge.OUTBOX_PARKED: stats.parked,
         Gauge.OUTBOX_SCHEDULED: stats.scheduled,
     }
-
-
-@dataclass(frozen=True)
-class Declared:
-    """A queue as a passive declare reports it: its ready messages (not those delivered and
-    unacked) and its consumers."""
-
-    messages: int
-    consumers: int
-
-
-async def declared(connection: AbstractConnection, queue: str) -> Declared | None:
-    """``queue``'s counts by a passive declare on a channel of its own (a missing queue closes
-    it); None when the queue does not exist: it is never declared here."""
-    channel = await connection.channel()
-    try:
-        queue_ = await channel.declare_queue(queue, passive=True)
-    except ChannelNotFoundEntity:
-        return None
-    finally:
-        if not channel.is_closed:
-            await channel.close()
-    result = queue_.declaration_result
-    return Declared(int(result.message_count or 0), int(result.consumer_count or 0))
 
 
 class Sampler:
@@ -294,12 +269,11 @@ class Sampler:
             return gauges
         try:
             async with asyncio.timeout(QUEUE_TIMEOUT):
-                for gauge, queue in (
-                    (Gauge.WORK_QUEUE, self.settings.queue),
-                    (Gauge.DEAD_LETTER_QUEUE, self.settings.dead_letter_queue),
-                ):
-                    found = await declared(self.connection, queue)
-                    gauges[gauge] = None if found is None else found.messages
+                work, dead = await count_queues(
+                    self.connection, [self.settings.queue, self.settings.dead_letter_queue]
+                )
+            gauges[Gauge.WORK_QUEUE] = None if work is None else work.messages
+            gauges[Gauge.DEAD_LETTER_QUEUE] = None if dead is None else dead.messages
         except Exception as exc:
             log.debug("could not count the queues for a sample: %s", describe_error(exc))
         return gauges

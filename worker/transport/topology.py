@@ -20,12 +20,13 @@ A queue's type and arguments are fixed when it is declared: ``worker convert-que
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aio_pika import ExchangeType
-from aio_pika.abc import AbstractChannel, AbstractExchange, AbstractQueue
+from aio_pika.abc import AbstractChannel, AbstractConnection, AbstractExchange, AbstractQueue
+from aio_pika.exceptions import ChannelNotFoundEntity
 from aiormq.exceptions import ChannelPreconditionFailed
 
 from worker.errors import ConfigurationError
@@ -182,3 +183,42 @@ async def delete_topology(channel: AbstractChannel, settings: Settings) -> None:
         await channel.queue_delete(queue)
     for exchange in (settings.exchange, settings.dead_letter_exchange):
         await channel.exchange_delete(exchange)
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    """A queue as a passive declare reports it: its ready messages (not those delivered and
+    unacked; they can lag behind messages just returned to the queue) and its consumers."""
+
+    messages: int
+    consumers: int
+
+
+async def count_queues(
+    connection: AbstractConnection, names: Sequence[str]
+) -> list[QueueCounts | None]:
+    """The counts of each of ``names``, in order, by passive declares: None for a queue that
+    does not exist, which is never declared here. One channel asks about all of them; a missing
+    queue closes it, and the next queue is asked on a new one."""
+    found: list[QueueCounts | None] = []
+    channel: AbstractChannel | None = None
+    try:
+        for name in names:
+            if channel is None:
+                channel = await connection.channel()
+            try:
+                queue = await channel.declare_queue(name, passive=True)
+            except ChannelNotFoundEntity:
+                found.append(None)
+                if not channel.is_closed:
+                    await channel.close()
+                channel = None
+                continue
+            result = queue.declaration_result
+            found.append(
+                QueueCounts(int(result.message_count or 0), int(result.consumer_count or 0))
+            )
+    finally:
+        if channel is not None and not channel.is_closed:
+            await channel.close()
+    return found
