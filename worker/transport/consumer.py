@@ -25,7 +25,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, logs, tracing
 from worker.backoff import first
-from worker.core import unit_of_work
+from worker.core import keyspace, unit_of_work
 from worker.core.batches import after_commit, checked, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
@@ -296,14 +296,34 @@ class Consumer:
             await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
         check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
-        split = grouped(check.opened)
+        opened, refused = await self._in_own_key_space(check.opened)
+        split = grouped(opened)
         if split.together:
             await self._process_together(split.together)
         for message, delivery, rejection in check.rejected:
             with logs.message_context(delivery):
                 await self.failures.delivery_failed(message, delivery, None, rejection)
+        for message, envelope, reserved in refused:
+            with logs.message_context(envelope.delivery):
+                await self.failures.delivery_failed(message, envelope.delivery, None, reserved)
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
+
+    async def _in_own_key_space(
+        self, opened: list[tuple[Received, Envelope]]
+    ) -> tuple[list[tuple[Received, Envelope]], list[tuple[Received, Envelope, Exception]]]:
+        """``keyspace.refused_keys``: a key of the ingress's space it did not accept is refused
+        (parked, its key not recorded). If the database cannot tell, those deliveries take the
+        failure path with its error (transient: retried later or the worker pauses)."""
+        try:
+            kept, refused = await keyspace.refused_keys(self.engine, opened)
+        except Exception as exc:
+            claimed = [(m, e) for m, e in opened if keyspace.claim_of(e) is not None]
+            if not claimed:
+                raise
+            others = [(m, e) for m, e in opened if keyspace.claim_of(e) is None]
+            return others, [(m, e, exc) for m, e in claimed]
+        return kept, list(refused)
 
     async def _process_together(self, together: list[tuple[Received, Envelope]]) -> None:
         envelopes = [envelope for _, envelope in together]
