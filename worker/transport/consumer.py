@@ -18,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -82,6 +83,14 @@ def delivery_from_amqp(message: Received) -> Delivery:
         exchange=message.exchange,
         redelivered=message.redelivered,
     )
+
+
+async def _together(*work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` at once to its end, every one (none is cancelled: one may hold a
+    transaction); then raise the first error, if any."""
+    for outcome in await asyncio.gather(*work, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
 
 
 class Consumer:
@@ -199,8 +208,12 @@ class Consumer:
         await self.gate.resumed()
         await self.subscription.cancel()
         crash_point(CONSUMER_DRAINING)
-        if self._in_flight:
-            _, late = await asyncio.wait(set(self._in_flight), timeout=grace)
+        loop = asyncio.get_running_loop()
+        deadline = None if grace is None else loop.time() + grace
+        late: set[asyncio.Task[None]] = set()
+        while self._in_flight and not late:  # (a batch may start its parking as it ends)
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            _, late = await asyncio.wait(set(self._in_flight), timeout=left)
             if late:
                 log.warning(
                     "%d message(s) still in flight after the %gs grace period: rolling them back",
@@ -277,9 +290,9 @@ class Consumer:
     async def handle_batch(self, messages: list[Received]) -> None:
         """Process deliveries to their end, those that can share one in one transaction.
 
-        The deliveries that pass their checks are processed together
-        (``unit_of_work.process_batch``) and acked after its commit; then those that failed
-        their checks are parked, and workflows run, each alone. If the
+        Those that failed their checks are parked together while the deliveries that passed
+        them are processed together (``unit_of_work.process_batch``) and acked after its
+        commit; then workflows run, each alone. If the
         batch fails in any way, each of its deliveries is processed again in a transaction of
         its own, so only the failing one takes the failure path.
         """
@@ -297,15 +310,15 @@ class Consumer:
             return
         check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
         split = grouped(check.opened)
-        if split.together:
-            await self._process_together(split.together)
-        for message, delivery, rejection in check.rejected:
-            with logs.message_context(delivery):
-                await self.failures.delivery_failed(message, delivery, None, rejection)
+        await _together(  # (neither waits for the other: parking waits on the broker mostly)
+            self.failures.failed_checks(check.rejected), self._process_together(split.together)
+        )
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
     async def _process_together(self, together: list[tuple[Received, Envelope]]) -> None:
+        if not together:
+            return
         envelopes = [envelope for _, envelope in together]
         handlers = {envelope.handler.name for envelope in envelopes}
         try:
