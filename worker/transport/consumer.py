@@ -208,12 +208,8 @@ class Consumer:
         await self.gate.resumed()
         await self.subscription.cancel()
         crash_point(CONSUMER_DRAINING)
-        loop = asyncio.get_running_loop()
-        deadline = None if grace is None else loop.time() + grace
-        late: set[asyncio.Task[None]] = set()
-        while self._in_flight and not late:  # (a batch may start its parking as it ends)
-            left = None if deadline is None else max(0.0, deadline - loop.time())
-            _, late = await asyncio.wait(set(self._in_flight), timeout=left)
+        if self._in_flight:
+            _, late = await asyncio.wait(set(self._in_flight), timeout=grace)
             if late:
                 log.warning(
                     "%d message(s) still in flight after the %gs grace period: rolling them back",
