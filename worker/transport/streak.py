@@ -64,8 +64,9 @@ class DeadLetterStreak:
         if self._in_a_row == self.settings.failure_throttle_after:
             self.telemetry.throttled(True)
             log.error(
-                "%d messages in a row were dead-lettered: taking one message at a time, %s "
-                "apart, until one succeeds (a handler bug or a bad deployment? see the DLQ)",
+                "%d messages in a row failed in their handler and were dead-lettered: taking one "
+                "message at a time, %s apart, until one succeeds (a handler bug or a bad "
+                "deployment? see the DLQ)",
                 self._in_a_row,
                 format_duration(self.settings.failure_throttle_delay),
             )
