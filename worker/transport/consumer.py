@@ -306,9 +306,13 @@ class Consumer:
             return
         check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
         split = grouped(check.opened)
-        await _together(  # (neither waits for the other: parking waits on the broker mostly)
-            self.failures.failed_checks(check.rejected), self._process_together(split.together)
-        )
+        if check.rejected:  # (neither waits for the other: parking waits on the broker mostly)
+            await _together(
+                self.failures.failed_checks(check.rejected),
+                self._process_together(split.together),
+            )
+        else:
+            await self._process_together(split.together)
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
