@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, any_, bindparam, delete, exists, func, insert, select
+from sqlalchemy import Select, any_, bindparam, delete, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY, Uuid
 
+from worker.sql.driver import Connection, in_transaction
 from worker.sql.tables import dead_letters, interval
 
 
@@ -42,25 +43,29 @@ class ParkingRow:
 
 _COLUMNS = [dead_letters.c[name] for name in ParkingRow.__dataclass_fields__]
 
+RECORD_PARKINGS = """
+INSERT INTO dead_letters (parking_id, handler, key, reason, routing_key, body_sha256, failed_key)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[],
+                     $7::bool[])
+"""
+"""Every parking of a batch in one statement: one array per column, in the rows' order."""
 
-async def record_parkings(conn: AsyncConnection, parkings: Sequence[ParkingRow]) -> None:
-    """Insert ``parkings`` in ``conn``'s transaction (commit it before publishing their copies)."""
+
+async def record_parkings(conn: Connection, parkings: Sequence[ParkingRow]) -> None:
+    """Insert ``parkings`` in ``conn``'s transaction, in one statement however many (commit it
+    before publishing their copies)."""
     if not parkings:
         return
-    await conn.execute(
-        insert(dead_letters),
-        [
-            {
-                "parking_id": p.parking_id,
-                "handler": p.handler,
-                "key": p.key,
-                "reason": p.reason,
-                "routing_key": p.routing_key,
-                "body_sha256": p.body_sha256,
-                "failed_key": p.failed_key,
-            }
-            for p in parkings
-        ],
+    driver = await in_transaction(conn)
+    await driver.execute(
+        RECORD_PARKINGS,
+        [p.parking_id for p in parkings],
+        [p.handler for p in parkings],
+        [p.key for p in parkings],
+        [p.reason for p in parkings],
+        [p.routing_key for p in parkings],
+        [p.body_sha256 for p in parkings],
+        [p.failed_key for p in parkings],
     )
 
 
