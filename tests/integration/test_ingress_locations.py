@@ -52,9 +52,7 @@ async def test_a_dot_segment_key_is_refused_400_and_stores_nothing(
 
 
 @pytest.mark.parametrize("key", ["...", "a/..", "%2e%2e", "./a", ".a"])
-async def test_a_location_resolves_to_the_request_s_own_path(
-    settings: Settings, key: str
-) -> None:
+async def test_a_location_resolves_to_the_request_s_own_path(settings: Settings, key: str) -> None:
     async with ingress(settings) as client:
         answer = await client.post(REQUESTED, json=payment(f"p-{key}"), headers=keyed(key))
         # Then the Location, resolved as a client resolves it, is under the request's path
