@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -114,6 +115,18 @@ def console_url(raw: str) -> str:
     if parts.path or parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError("must name a scheme, a host and a port only")
     return url
+
+
+def networks(raw: str) -> tuple[str, ...]:
+    """A comma-separated list of IP addresses or networks (``10.0.0.5``, ``10.0.0.0/8``,
+    ``fd00::/8``), each kept as its network's text; blanks dropped."""
+    found = []
+    for part in _handler_list(raw):
+        try:
+            found.append(str(ipaddress.ip_network(part, strict=False)))
+        except ValueError:
+            raise ValueError(f"{part!r} is no IP address or network") from None
+    return tuple(found)
 
 
 def bearer_tokens(raw: str) -> tuple[str, ...]:
@@ -618,6 +631,21 @@ class Settings:
         "the console's address as its users reach it (`https://console.example.com`), when a "
         "proxy serves it: its host is allowed besides localhost, and `https` makes the session "
         "cookie `Secure`. Empty: served as `http://<console_host>:<console_port>`",
+    )
+    console_trusted_proxies: tuple[str, ...] = setting(
+        (),
+        networks,
+        Group.CONSOLE,
+        "comma-separated addresses or networks of the proxies in front of the console whose "
+        "`X-Forwarded-For` it believes: a request from one of them counts (login throttle, "
+        "unauthenticated requests in flight) against the last address of that header that is "
+        "not itself one of them. Empty: the header is ignored and every request is its peer's",
+    )
+    console_audit_retention: float = setting(
+        90 * 86400.0,
+        duration,
+        Group.SWEEP,
+        "how long the console's audit entries are kept; the janitor deletes older ones",
     )
     ingress_routing_keys: tuple[str, ...] = setting(
         (),

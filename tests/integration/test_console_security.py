@@ -41,7 +41,7 @@ from tests.integration.console_support import (
 )
 from tests.integration.support import ROOT, start_worker, wait_for_consumer, worker_process
 from worker.console.guard import MAX_FORM_BYTES
-from worker.console.state import LOGIN_ATTEMPTS
+from worker.console.throttle import LOGIN_ATTEMPTS
 from worker.settings import Settings
 
 TLS_URL = "https://console.example.com"
@@ -59,6 +59,14 @@ async def audit_entries(engine: AsyncEngine) -> list[tuple[str, str, str, str]]:
         engine, "SELECT actor, action, target, outcome FROM console_audit ORDER BY id"
     )
     return [(actor, action, target, outcome) for actor, action, target, outcome in found]
+
+
+async def refusals_counted(engine: AsyncEngine) -> list[int]:
+    """How many times each refusal entry counts, oldest first."""
+    found = await rows(
+        engine, "SELECT repeats FROM console_audit WHERE outcome LIKE 'refused%' ORDER BY id"
+    )
+    return [repeats for (repeats,) in found]
 
 
 async def login(
@@ -549,13 +557,15 @@ async def test_an_operator_post_from_another_origin_is_refused_403_and_audited(
         )
         assert done.status_code == 303
 
-    # Then the audit holds each refusal, and the one action done
+    # Then the audit holds the refusals (one entry, the session's same refusal counted on it),
+    # and the one action done
     refusal = (OPERATOR, console_probe.PATH, "", "refused: no valid CSRF token")
     assert await audit_entries(engine) == [
         (OPERATOR, "login", "", "done"),
-        *[refusal] * len(CROSS_ORIGIN),
+        refusal,
         (OPERATOR, console_probe.ACTION, "own", "done"),
     ]
+    assert await refusals_counted(engine) == [len(CROSS_ORIGIN)]
 
 
 async def test_an_action_without_the_csrf_token_or_by_a_viewer_is_refused_and_audited(
@@ -581,13 +591,15 @@ async def test_an_action_without_the_csrf_token_or_by_a_viewer_is_refused_and_au
         answer = await anonymous.post(console_probe.PATH, data={"csrf": "", "target": "e"})
         assert answer.status_code == 401
 
-    # Then nothing was done, and each refusal of a logged-in user is audited
+    # Then nothing was done, and each refusal of a logged-in user is audited (a session's same
+    # refusal counted on one entry)
     assert await audit_entries(engine) == [
         (OPERATOR, "login", "", "done"),
-        *[(OPERATOR, console_probe.PATH, "", "refused: no valid CSRF token")] * 3,
+        (OPERATOR, console_probe.PATH, "", "refused: no valid CSRF token"),
         (VIEWER, "login", "", "done"),
         (VIEWER, console_probe.PATH, "", "refused: read-only user"),
     ]
+    assert await refusals_counted(engine) == [3, 1]
 
 
 # --- forms -----------------------------------------------------------------------------------

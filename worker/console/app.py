@@ -2,10 +2,14 @@
 
 Invariant: the application serves only a database whose schema is at the code's head (its
 startup refuses another) and never starts without a token to log in with (``Accounts.of``).
-Every request passes ``worker.ingress.edge.Edge`` (requests in flight, the body's deadline, the
-access log) and ``guard.Guard`` (Host, security headers); every page but the login's asks for a
-session. There is no OpenAPI document and no interactive docs: nothing is served that a page
-does not need.
+Every request passes ``guard.Guard`` (Host, security headers, on every answer, the edge's
+own included) and then ``worker.ingress.edge.Edge`` (requests in flight, the body's deadline,
+the access log); every page but the login's asks for a session. A request without a live
+session's cookie takes a slot of its own pool (``UNTRUSTED_REQUESTS``, ``PER_ADDRESS`` of one
+client address), never one of the ``ingress_max_requests`` logged-in requests', and its body
+has the time its declared size needs (``FORM_BODY_FLOOR`` plus ``FORM_BODY_RATE``), so no
+number of slow, anonymous clients takes a logged-in operator's capacity. There is no OpenAPI
+document and no interactive docs: nothing is served that a page does not need.
 """
 
 from __future__ import annotations
@@ -30,8 +34,17 @@ from worker.console.guard import MAX_FORM_BYTES, Guard, LoginRequired
 from worker.console.pages import NAV, ROUTERS
 from worker.console.state import APPLICATION_NAME, POOL_SIZE, Console
 from worker.console.templating import render
-from worker.ingress.edge import Edge
+from worker.ingress.edge import BodyDeadline, Edge, Pools
 from worker.settings import Settings
+
+UNTRUSTED_REQUESTS = 16
+"""Requests without a live session (the login's, anyone's) in flight at once; more are 503."""
+PER_ADDRESS = 4
+"""Of those, the requests of one client address (``console_trusted_proxies``)."""
+FORM_BODY_FLOOR = 2.0
+"""Seconds any form's body has, on top of its size at ``FORM_BODY_RATE``."""
+FORM_BODY_RATE = 16 * 1024
+"""Bytes per second a form's body must arrive at, at the least (``MAX_FORM_BYTES``: 18 s)."""
 
 
 def create_app(settings: Settings, *, engine: AsyncEngine | None = None) -> FastAPI:
@@ -90,9 +103,16 @@ def create_app(settings: Settings, *, engine: AsyncEngine | None = None) -> Fast
             message="the request's parameters are not valid",
         )
 
-    app.add_middleware(Guard, console=console)
     edge_settings = dataclasses.replace(
         settings, ingress_allowed_hosts=("*",), max_body_bytes=MAX_FORM_BYTES
     )
-    app.add_middleware(Edge, settings=edge_settings)
+    app.add_middleware(
+        Edge,
+        settings=edge_settings,
+        pools=Pools(settings.ingress_max_requests, UNTRUSTED_REQUESTS, PER_ADDRESS),
+        trusted=console.has_session,
+        address=console.client_address,
+        deadline=BodyDeadline(settings.ingress_body_timeout, FORM_BODY_FLOOR, FORM_BODY_RATE),
+    )
+    app.add_middleware(Guard, console=console)  # (the outermost: its headers go on every answer)
     return app

@@ -7,7 +7,8 @@ statement given one fails), and sets the security headers on
 every answer: a Content-Security-Policy that lets the pages load only the console's own script
 and style (no inline script, no other origin), no framing, no sniffing, no referrer sent to
 another origin, no caching. A route that fails is answered by ``failed``'s page, never a bare
-500 without those headers.
+500 without those headers; ``Guard`` is the outermost layer, so the edge's 408 and 503 carry
+them too, and ``secured`` puts them on what answers a connection over the cap.
 
 A page's route takes a ``Viewer`` parameter to be seen by any logged-in user, or an
 ``OperatorAction`` for a POST that changes something. Invariant of the latter: the
@@ -83,9 +84,7 @@ class Guard:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
-                headers = MutableHeaders(scope=message)
-                for name, value in SECURITY_HEADERS.items():
-                    headers[name] = value
+                _secure(message)
             await send(message)
 
         if not host_allowed(scope, frozenset(self.console.allowed_hosts)):
@@ -100,6 +99,28 @@ class Guard:
             if started:
                 raise
             await failed(scope, exc)(scope, receive, secured)
+
+
+def secured(app: ASGIApp) -> ASGIApp:
+    """``app`` with the security headers on every answer it starts (what serves a connection
+    over the cap, before ``Guard`` could)."""
+
+    async def securing(scope: Scope, receive: Receive, send: Send) -> None:
+        async def sending(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                _secure(message)
+            await send(message)
+
+        await app(scope, receive, sending)
+
+    return securing
+
+
+def _secure(start: Message) -> None:
+    """Set the security headers on an ``http.response.start`` message."""
+    headers = MutableHeaders(scope=start)
+    for name, value in SECURITY_HEADERS.items():
+        headers[name] = value
 
 
 def failed(scope: Scope, exc: Exception) -> Response:
@@ -246,10 +267,10 @@ async def operator_action(request: Request) -> Action:
     form = await read_form(request)
     action = request.url.path
     if not same_origin(request) or not session.csrf_matches(form.one("csrf")):
-        await audit.refused(console_of(request), session.user, action, "no valid CSRF token")
+        await audit.refused(console_of(request), session, action, "no valid CSRF token")
         raise HTTPException(HTTPStatus.FORBIDDEN, "refused: the form's CSRF token is missing")
     if not session.user.may_act:
-        await audit.refused(console_of(request), session.user, action, "read-only user")
+        await audit.refused(console_of(request), session, action, "read-only user")
         raise HTTPException(HTTPStatus.FORBIDDEN, "refused: this user may only look")
     return Action(session, form)
 

@@ -1,7 +1,9 @@
 """``worker console``: the console under uvicorn, in this process's event loop, until stopped.
 
 It runs under the ingress's server setup (``worker.ingress.serve.serve_app``: the connection cap,
-the header deadline, a graceful stop), on ``console_host``:``console_port``.
+the header deadline, a graceful stop), on ``console_host``:``console_port``, with the console's
+security headers on what the server answers itself (a connection over the cap, a request it
+cannot parse).
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from collections.abc import Callable
 from worker import database, schema
 from worker.backoff import while_starting
 from worker.console.app import create_app
+from worker.console.guard import SECURITY_HEADERS, secured
 from worker.console.state import APPLICATION_NAME, POOL_SIZE
+from worker.ingress.edge import overflow_app
 from worker.ingress.serve import serve_app
 from worker.settings import Settings, redact
 
@@ -57,6 +61,8 @@ async def serve(
             settings=settings,
             name="console",
             port_setting="console_port",
+            overflow=lambda inner: secured(overflow_app(settings)(inner)),
+            headers=SECURITY_HEADERS,
         )
     finally:
         await engine.dispose()

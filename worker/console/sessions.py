@@ -39,6 +39,8 @@ class Session:
     csrf: str = field(default_factory=lambda: secrets.token_urlsafe(32))
     started: float = field(default_factory=time.monotonic)
     seen: float = field(default_factory=time.monotonic)
+    last_refusal: tuple[str, str, int] | None = None
+    """(action, outcome, audit entry id) of the session's last refused action."""
 
     def csrf_matches(self, sent: str | None) -> bool:
         """Whether ``sent`` is this session's CSRF token (in constant time)."""
@@ -91,6 +93,15 @@ class Sessions:
         session.seen = now
         self._sessions.move_to_end(key)
         return session
+
+    def live(self, cookie: str | None) -> bool:
+        """Whether ``cookie`` names a live session (which is not seen by this: a request
+        refused before its page runs does not keep a session alive)."""
+        session = self._sessions.get(_digest(cookie)) if cookie else None
+        if session is None:
+            return False
+        now = time.monotonic()
+        return now - session.started <= self.lifetime and now - session.seen <= self.idle_timeout
 
     def end(self, cookie: str | None) -> None:
         """End the session ``cookie`` names, if any."""

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from urllib.parse import SplitResult, urlsplit
 
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
-from starlette.requests import Request
+from starlette.requests import Request, cookie_parser
+from starlette.types import Scope
 
 from worker.console.accounts import Accounts
 from worker.console.sessions import Sessions
+from worker.console.throttle import ClientAddress, LoginThrottle
 from worker.liveness import Liveness
 from worker.settings import Settings
 from worker.transport.connection import connect
@@ -30,11 +30,6 @@ APPLICATION_NAME = "worker-console"
 """The ``application_name`` of the console's database connections and broker connection."""
 POOL_SIZE = 4
 """Database connections the console holds at most."""
-LOGIN_ATTEMPTS = 10
-"""Failed logins a client address may make per ``LOGIN_WINDOW``; more are answered 429."""
-LOGIN_WINDOW = 60.0
-MAX_TRACKED_ADDRESSES = 4096
-"""Client addresses whose failed logins are remembered at most (the oldest are forgotten)."""
 LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "[::1]"})
 ACTIONS_GRACE = 10.0
 """Seconds a stopping console waits for the actions in progress to end (``Console.acting``)."""
@@ -51,7 +46,9 @@ class Console:
         self._broker: AbstractRobustConnection | None = None
         self._acting: set[asyncio.Future[None]] = set()
         self._broker_lock = asyncio.Lock()
-        self._failures: OrderedDict[str, list[float]] = OrderedDict()
+        self.logins = LoginThrottle()
+        self.client_address = ClientAddress(settings.console_trusted_proxies)
+        """The client a request counts against (``console_trusted_proxies``)."""
         url = urlsplit(settings.console_url) if settings.console_url else None
         self.secure = url is not None and url.scheme == "https"
         """Whether the session cookie is ``Secure`` (the console is reached over TLS)."""
@@ -65,6 +62,16 @@ class Console:
     def cookie_name(self) -> str:
         """The session cookie's name; ``__Host-`` bound to this host and path when Secure."""
         return "__Host-worker-console" if self.secure else "worker-console"
+
+    def has_session(self, scope: Scope) -> bool:
+        """Whether the request of ``scope`` carries a live session's cookie."""
+        headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+        for name, value in headers:
+            if name == b"cookie":
+                cookie = cookie_parser(value.decode("latin-1")).get(self.cookie_name)
+                if self.sessions.live(cookie):
+                    return True
+        return False
 
     def expected_origin(self, request: Request) -> str:
         """The origin a same-site POST to this console names."""
@@ -104,23 +111,6 @@ class Console:
         if self._broker is not None:
             broker, self._broker = self._broker, None
             await broker.close()
-
-    def login_allowed(self, address: str) -> bool:
-        """Whether ``address`` has failed fewer than ``LOGIN_ATTEMPTS`` logins lately."""
-        now = time.monotonic()
-        recent = [t for t in self._failures.get(address, []) if now - t < LOGIN_WINDOW]
-        if recent:
-            self._failures[address] = recent
-        else:
-            self._failures.pop(address, None)
-        return len(recent) < LOGIN_ATTEMPTS
-
-    def login_failed(self, address: str) -> None:
-        """Remember one failed login of ``address``."""
-        self._failures.setdefault(address, []).append(time.monotonic())
-        self._failures.move_to_end(address)
-        while len(self._failures) > MAX_TRACKED_ADDRESSES:
-            self._failures.popitem(last=False)
 
 
 DEFAULT_PORTS = {"http": 80, "https": 443}

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from worker.ops.http import unread_bytes
@@ -45,6 +46,8 @@ class Limits:
     header_timeout: float
     overflow_app: Callable[[ASGIApp], ASGIApp]
     """What serves, around the application, a connection over the cap (a 503 but for health)."""
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    """Headers added to the 400 the protocol itself sends for a request it cannot parse."""
     open: dict[LimitedH11Protocol, None] = field(default_factory=dict)
     overflowing: int = 0
     evicted: int = 0
@@ -101,6 +104,18 @@ class LimitedH11Protocol(H11Protocol):
             self._disarm()  # a request's headers arrived
         elif self._deadline is None and not self._in_progress() and not self._overflowing:
             self._arm(self.limits.header_timeout)  # the first bytes of the next request
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's 400 for a request h11 cannot parse, with ``Limits.headers``."""
+        headers = [
+            (b"content-type", b"text/plain; charset=utf-8"),
+            (b"connection", b"close"),
+            *self.limits.headers,
+        ]
+        event = h11.Response(status_code=400, headers=headers, reason=b"Bad Request")
+        for output in (event, h11.Data(data=msg.encode("ascii")), h11.EndOfMessage()):
+            self.transport.write(self.conn.send(output) or b"")
+        self.transport.close()
 
     def _in_progress(self) -> bool:
         """Whether a request has arrived whose answer is not complete yet."""

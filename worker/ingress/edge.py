@@ -2,10 +2,13 @@
 Host check, the cap on requests in flight and a body read whole, within a deadline.
 
 Invariant: a route runs only for a request whose body has fully arrived (or is known to pass
-``max_body_bytes``), whose ``Host`` is allowed, and while fewer than ``ingress_max_requests``
-others are in progress; so at most that many bodies of at most ``max_body_bytes`` are held at
-once, a body that is not sent within ``ingress_body_timeout`` gets a 408, and a client that
-goes away mid-body is a debug line (and status 499 in the access log), never a route's error.
+``max_body_bytes``), whose ``Host`` is allowed, and while its pool has a free slot; so at most
+``ingress_max_requests`` bodies of at most ``max_body_bytes`` are held at once, a body that is
+not sent within its deadline gets a 408, and a client that goes away mid-body is a debug line
+(and status 499 in the access log), never a route's error. An application that tells trusted
+requests apart (``Edge(trusted=...)``: the console's, a live session's) gives the others a pool
+of their own (``Pools``), so untrusted clients, however many and slow, never take a trusted
+request's slot; and it may give a body a deadline that fits its declared size (``BodyDeadline``).
 ``/healthz`` passes the Host check, and the probes' paths (``PROBE_PATHS``) the cap: an
 orchestrator's probe names the pod's address and must get through a flood. Nothing here logs a
 token or a body.
@@ -18,7 +21,9 @@ import ctypes
 import ctypes.util
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -53,21 +58,95 @@ class ClientGone(Exception):
     """The client closed its connection before the body ended."""
 
 
-class Edge:
-    """The ASGI middleware in front of the ingress's routes (see the module's invariant)."""
+@dataclass(frozen=True)
+class BodyDeadline:
+    """Seconds a body may take: ``floor`` plus its declared Content-Length at ``min_rate`` bytes
+    per second, at most ``ceiling``; ``ceiling`` for a body without one (chunked)."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
+    ceiling: float
+    floor: float | None = None
+    """None: every body has ``ceiling`` (the ingress's ``ingress_body_timeout``)."""
+    min_rate: float = 16 * 1024
+
+    def of(self, declared: bytes | None) -> float:
+        if self.floor is None or declared is None or not within_limit(declared, 2**40):
+            return self.ceiling
+        return min(self.ceiling, self.floor + int(declared) / self.min_rate)
+
+
+class Pools:
+    """Requests in flight, in two pools: ``trusted`` ones (up to ``max_trusted``) and the
+    others (up to ``max_untrusted``, and ``per_address`` of one client address), so that
+    untrusted requests never hold a trusted one's slot. With ``max_untrusted`` None, one pool
+    for all (the ingress's: its routes check the tokens)."""
+
+    def __init__(
+        self, max_trusted: int, max_untrusted: int | None = None, per_address: int | None = None
+    ) -> None:
+        self.max_trusted = max_trusted
+        self.max_untrusted = max_untrusted
+        self.per_address = per_address
+        self.trusted = 0
+        self.untrusted: Counter[str] = Counter()
+
+    def take(self, trusted: bool, address: str) -> bool:
+        """Take a slot for a request; False when its pool (or its address's share) is full."""
+        if trusted or self.max_untrusted is None:
+            if self.trusted >= self.max_trusted:
+                return False
+            self.trusted += 1
+            return True
+        if self.untrusted.total() >= self.max_untrusted or (
+            self.per_address is not None and self.untrusted[address] >= self.per_address
+        ):
+            return False
+        self.untrusted[address] += 1
+        return True
+
+    def give_back(self, trusted: bool, address: str) -> None:
+        if trusted or self.max_untrusted is None:
+            self.trusted -= 1
+            return
+        self.untrusted[address] -= 1
+        if self.untrusted[address] <= 0:
+            del self.untrusted[address]
+
+    def __len__(self) -> int:
+        return self.trusted + self.untrusted.total()
+
+
+class Edge:
+    """The ASGI middleware in front of the ingress's routes (see the module's invariant).
+
+    ``trusted`` tells a request that may use ``pools``' trusted slots (default: every request,
+    one pool of ``ingress_max_requests``), ``address`` the client an untrusted one counts
+    against (default: the peer's address); ``deadline`` gives a body its time (default:
+    ``ingress_body_timeout`` for every body)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        settings: Settings,
+        *,
+        pools: Pools | None = None,
+        trusted: Callable[[Scope], bool] | None = None,
+        address: Callable[[Scope], str] | None = None,
+        deadline: BodyDeadline | None = None,
+    ) -> None:
         self.app = app
-        self.max_requests = settings.ingress_max_requests
+        self.address = client_address if address is None else address
+        self.pools = Pools(settings.ingress_max_requests) if pools is None else pools
+        self.trusted = trusted
         self.max_body_bytes = settings.max_body_bytes
-        self.body_timeout = settings.ingress_body_timeout
+        self.deadline = (
+            BodyDeadline(settings.ingress_body_timeout) if deadline is None else deadline
+        )
         self.access_log = settings.ingress_access_log
         self.allowed_hosts = (
             None
             if settings.ingress_tokens or "*" in settings.ingress_allowed_hosts
             else frozenset(host.lower() for host in settings.ingress_allowed_hosts)
         )
-        self.in_flight = 0
         self._unreturned = 0
         self._memory = _Memory()
 
@@ -103,29 +182,31 @@ class Edge:
         if scope["path"] in PROBE_PATHS and scope["method"] in ("GET", "HEAD"):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_requests:
+        trusted = self.trusted is None or self.trusted(scope)
+        address = self.address(scope)
+        if not self.pools.take(trusted, address):
             await busy().response(scope["path"])(scope, receive, send)
             return
-        self.in_flight += 1
         try:
+            seconds = self.deadline.of(_header(scope, b"content-length"))
             try:
-                replay = await self._read_body(scope, receive)
+                replay = await self._read_body(scope, receive, seconds)
             except BodyTimeout:
-                await body_timeout(self.body_timeout).response(scope["path"])(scope, receive, send)
+                await body_timeout(seconds).response(scope["path"])(scope, receive, send)
                 return
             except ClientGone as gone:
                 log.debug("ingress: %s %s: %s", scope["method"], _path(scope), gone)
                 return
             await self.app(scope, replay, send)
         finally:
-            self.in_flight -= 1
-            if self.in_flight == 0 and self._unreturned >= TRIM_AFTER_BYTES:
+            self.pools.give_back(trusted, address)
+            if not self.pools and self._unreturned >= TRIM_AFTER_BYTES:
                 self._unreturned = 0
                 self._memory.trim()
 
-    async def _read_body(self, scope: Scope, receive: Receive) -> Receive:
+    async def _read_body(self, scope: Scope, receive: Receive, seconds: float) -> Receive:
         """A ``receive`` that gives the request's whole body as one message, read here within
-        ``body_timeout``; the body is read no further than past ``max_body_bytes`` (the route
+        ``seconds``; the body is read no further than past ``max_body_bytes`` (the route
         refuses it then, as it refuses a Content-Length over the limit, which is not read)."""
         declared = _header(scope, b"content-length")
         if declared is not None and not within_limit(declared, self.max_body_bytes):
@@ -134,7 +215,7 @@ class Edge:
         size = 0
         more = True
         try:
-            async with asyncio.timeout(self.body_timeout):
+            async with asyncio.timeout(seconds):
                 while more:
                     message = await receive()
                     if message["type"] == "http.disconnect":
@@ -161,6 +242,12 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
+
+
+def client_address(scope: Scope) -> str:
+    """The address of the request's peer (``-`` when the server does not say)."""
+    client = scope.get("client")
+    return str(client[0]) if client else "-"
 
 
 def log_access(scope: Scope, status: int, seconds: float) -> None:
@@ -234,7 +321,8 @@ def busy() -> Problem:
         HTTPStatus.SERVICE_UNAVAILABLE,
         "busy",
         "The ingress is busy",
-        "too many requests are in progress; send it again, with the same Idempotency-Key, later",
+        "too many requests are in progress; send it again later (with the same "
+        "Idempotency-Key, to the ingress)",
         # (no Connection: close: closing with the body unread would reset the connection, and
         # the client could lose the answer; the body is read and dropped, within the header
         # deadline, and the idle connection is the first closed when they are all open)
@@ -243,7 +331,7 @@ def busy() -> Problem:
 
 
 def body_timeout(seconds: float) -> Problem:
-    """The body did not arrive within ``ingress_body_timeout``."""
+    """The body did not arrive within its deadline (``BodyDeadline``)."""
     return Problem(
         HTTPStatus.REQUEST_TIMEOUT,
         "body-timeout",

@@ -2,7 +2,8 @@
 for every routing key of a router, as a FastAPI ``APIRouter`` to mount anywhere.
 
 Invariant: nothing is stored before every check a consumer would make has passed, in this order:
-the bearer token (401), the routing key (404), the Idempotency-Key (400), the declared content
+the bearer token (401), the routing key (404), the Idempotency-Key (400, ``.`` and ``..``
+included: their status URL would be another path), the declared content
 type (415), the body's size (413, before it is read past the limit), its JSON (400) and its
 validation against the handler's body type (422); then the request and its event are recorded in
 one transaction (202), or a retry answered as the first was. Every refusal is problem+json.
@@ -32,7 +33,7 @@ from worker.core.envelope import open_envelope
 from worker.core.handler import Handler
 from worker.core.keyspace import handler_key
 from worker.core.router import Router
-from worker.errors import ConfigurationError, Fault, NoHandler, Rejected, classify
+from worker.errors import ConfigurationError, Fault, InvalidKey, NoHandler, Rejected, classify
 from worker.ingress import schemas
 from worker.ingress.accepting import accept, outcome
 from worker.ingress.auth import Tokens
@@ -85,7 +86,15 @@ def ingress_router(settings: Settings, *, engine: AsyncEngine, router: Router) -
         else []
     )
     api = APIRouter(tags=["messages"])
-    for handler in exposed(router, settings.ingress_routing_keys):
+    handlers = exposed(router, settings.ingress_routing_keys)
+    withheld = sorted(set(router.routing_keys()) - {handler.routing_key for handler in handlers})
+    if withheld and not settings.ingress_routing_keys:
+        log.info(
+            "ingress_routing_keys is not set: serving %s; not %s, which handlers publish",
+            ", ".join(handler.routing_key for handler in handlers),
+            ", ".join(withheld),
+        )
+    for handler in handlers:
         routing_key = servable(handler.routing_key)
         api.add_api_route(
             f"/messages/{routing_key}",
@@ -146,13 +155,6 @@ def exposed(router: Router, routing_keys: Sequence[str]) -> list[Handler]:
             "one a handler publishes (the worker's own events); name those clients may post "
             "in ingress_routing_keys"
         )
-    withheld = sorted(published & set(router.routing_keys()))
-    if withheld:
-        log.info(
-            "ingress_routing_keys is not set: serving %s; not %s, which handlers publish",
-            ", ".join(served),
-            ", ".join(withheld),
-        )
     return [handler for key in served if (handler := router.find(key))]
 
 
@@ -178,7 +180,7 @@ def _post(
     async def post(request: Request) -> Response:
         try:
             client = tokens.check(request)
-            key = client_key(request, handler.routing_key)
+            key = addressable(client_key(request, handler.routing_key))
             delivery = await read_delivery(
                 request,
                 handler.routing_key,
@@ -209,6 +211,20 @@ def _post(
         return JSONResponse(body, status_code=HTTPStatus.ACCEPTED, headers=headers)
 
     return post
+
+
+DOT_SEGMENTS = frozenset({".", ".."})
+"""Keys a status URL cannot name: as its last segment, a client resolves them to another path
+(``/messages/a/..`` is ``/messages/``), and percent-encoded they are the same to a browser
+(WHATWG's URL reads ``%2e`` as ``.``)."""
+
+
+def addressable(key: str) -> str:
+    """``key``, whose status URL (its ``Location``) is the request's own; ``InvalidKey`` for a
+    key that is a dot segment."""
+    if key in DOT_SEGMENTS:
+        raise InvalidKey(f"Idempotency-Key {key!r} cannot name a status URL: choose another")
+    return key
 
 
 def _get(handler: Handler, engine: AsyncEngine, tokens: Tokens) -> Endpoint:

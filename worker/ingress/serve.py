@@ -15,7 +15,7 @@ import logging
 import math
 import resource
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -27,6 +27,7 @@ from worker.errors import ConfigurationError
 from worker.ingress.app import APPLICATION_NAME, create_app
 from worker.ingress.connections import LimitedH11Protocol, Limits
 from worker.ingress.edge import overflow_app
+from worker.ingress.routes import exposed
 from worker.settings import Settings, redact
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ async def serve(
         def listening(port: int) -> None:
             log.info(
                 "serving the ingress for %s on http://%s:%d (database %s)",
-                ", ".join(router.routing_keys()),
+                ", ".join(handler.routing_key for handler in served),
                 settings.ingress_host,
                 port,
                 redact(settings.database_url),
@@ -96,6 +97,7 @@ async def serve(
             if started is not None:
                 started(port)
 
+        served = exposed(router, settings.ingress_routing_keys)
         app = create_app(settings, engine=engine, router=router)
         await serve_app(
             app, settings.ingress_host, settings.ingress_port, stop, listening, settings=settings
@@ -115,17 +117,22 @@ async def serve_app(
     settings: Settings | None = None,
     name: str = "ingress",
     port_setting: str = "ingress_port",
+    overflow: Callable[[ASGIApp], ASGIApp] | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> None:
     """Serve ``app`` under uvicorn as ``worker serve`` does (HTTP/1.1 by h11, no uvicorn access
     log, no ``Server`` header, forwarded headers not trusted, the connection bounds of
     ``settings``: see ``worker.ingress.connections``) until ``stop`` is set, then shut down
     gracefully; ``started`` gets the port bound once it listens. ``name`` and ``port_setting``
-    (the setting of its port) are what a failure to start names."""
+    (the setting of its port) are what a failure to start names; ``overflow`` answers a
+    connection over the cap (default: ``edge.overflow_app``), and ``headers`` go on the 400 the
+    protocol sends for a request it cannot parse."""
     settings = Settings() if settings is None else settings
     limits = Limits(
         max_connections=open_files_allow(settings.ingress_max_connections),
         header_timeout=settings.ingress_header_timeout,
-        overflow_app=overflow_app(settings),
+        overflow_app=overflow_app(settings) if overflow is None else overflow,
+        headers=tuple((name.encode(), value.encode()) for name, value in (headers or {}).items()),
     )
     config = uvicorn.Config(
         app,

@@ -2,7 +2,8 @@
 in the same sweep the HTTP ingress's requests accepted longer ago than that, and the records of
 copies parked in the dead-letter queue twice as long ago (their copies are then unverified), and
 the signals for workflows received longer ago than the retention (a wait took them, or nobody
-waited for them in that time).
+waited for them in that time), and the console's audit entries older than
+``console_audit_retention``.
 
 One instance sweeps at a time: a sweep holds a session-level advisory lock and an instance that
 finds it taken skips its turn. A sweep deletes in batches of ``janitor_batch_size``, each its own
@@ -29,7 +30,7 @@ from worker.backoff import first
 from worker.errors import is_transient
 from worker.ops.metrics import Metrics
 from worker.settings import Settings, format_duration
-from worker.sql import ingress, maintenance, parkings, waits
+from worker.sql import audit, ingress, maintenance, parkings, waits
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class Sweep:
     batches: int
     requests: int = 0
     parkings: int = 0
+    audit_entries: int = 0
 
 
 Delete = Callable[..., Awaitable[int]]
@@ -72,22 +74,32 @@ async def sweep(engine: AsyncEngine, settings: Settings) -> Sweep | None:
                 conn, settings, parkings.delete_expired_parkings
             )
             _, signal_batches = await _delete_all(conn, settings, waits.delete_expired_signals)
-            batches = key_batches + request_batches + parked_batches + signal_batches
-            return Sweep(keys, batches, requests, parked)
+            entries, audit_batches = await _delete_all(
+                conn,
+                settings,
+                audit.delete_expired_entries,
+                retention=settings.console_audit_retention,
+            )
+            batches = (
+                key_batches + request_batches + parked_batches + signal_batches + audit_batches
+            )
+            return Sweep(keys, batches, requests, parked, entries)
         finally:
             if locked:
                 await _unlock(conn)
 
 
-async def _delete_all(conn: AsyncConnection, settings: Settings, delete: Delete) -> tuple[int, int]:
-    """Run ``delete`` a batch per transaction until a batch finds fewer than
-    ``janitor_batch_size`` rows; (rows deleted, transactions that deleted some)."""
+async def _delete_all(
+    conn: AsyncConnection, settings: Settings, delete: Delete, *, retention: float | None = None
+) -> tuple[int, int]:
+    """Run ``delete`` (with ``retention``, default ``inbox_retention``) a batch per transaction
+    until a batch finds fewer than ``janitor_batch_size`` rows; (rows deleted, transactions that
+    deleted some)."""
+    retention = settings.inbox_retention if retention is None else retention
     deleted = batches = 0
     while True:
         async with conn.begin():
-            count = await delete(
-                conn, retention=settings.inbox_retention, limit=settings.janitor_batch_size
-            )
+            count = await delete(conn, retention=retention, limit=settings.janitor_batch_size)
         deleted += count
         if count:
             batches += 1
@@ -159,12 +171,14 @@ class Janitor:
         result = await sweep(self.engine, self.settings)
         if result is None:
             log.debug("another instance is sweeping the inbox")
-        elif result.deleted or result.requests:
+        elif result.deleted or result.requests or result.audit_entries:
             self.metrics.expired(result.deleted, result.requests)
             log.info(
-                "deleted %d expired inbox keys and %d ingress requests in %d batches",
+                "deleted %d expired inbox keys, %d ingress requests and %d console audit "
+                "entries in %d batches",
                 result.deleted,
                 result.requests,
+                result.audit_entries,
                 result.batches,
             )
         return result

@@ -1,5 +1,6 @@
 """Every statement on ``console_audit``: one row per console action (who, what, when, how many,
-how it ended), and its pages, newest first.
+how it ended; a refusal repeated within a window bumps its row's ``repeats``), its pages,
+newest first, and the janitor's deletion of entries past their retention.
 
 Invariant: a page is a keyset range of the primary key (``id < before``) with a LIMIT, so
 reading any page costs the same however long the audit grows.
@@ -12,10 +13,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import insert, select
+from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from worker.sql.tables import console_audit
+from worker.sql.tables import console_audit, interval
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class AuditEntry:
     count: int
     outcome: str
     detail: Mapping[str, Any]
+    repeats: int = 1
+    last_at: datetime | None = None
 
 
 async def record(
@@ -59,6 +62,34 @@ async def record(
         .returning(console_audit.c.id)
     )
     return int((await conn.execute(statement)).scalar_one())
+
+
+async def repeat(conn: AsyncConnection, entry: int, *, window: float) -> bool:
+    """Count one more time on ``entry`` if it was first written less than ``window`` seconds
+    ago; whether it was (else the caller writes a new entry)."""
+    c = console_audit.c
+    statement = (
+        update(console_audit)
+        .where(c.id == entry, c.at > func.now() - interval(window))
+        .values(repeats=c.repeats + 1, last_at=func.now())
+    )
+    return bool((await conn.execute(statement)).rowcount)
+
+
+async def delete_expired_entries(conn: AsyncConnection, *, retention: float, limit: int) -> int:
+    """Delete up to ``limit`` entries written more than ``retention`` seconds ago (by the last
+    time a repeated one happened), oldest first; how many."""
+    c = console_audit.c
+    expired = (
+        select(c.id)
+        .where(c.at < func.now() - interval(retention))
+        .where(func.coalesce(c.last_at, c.at) < func.now() - interval(retention))
+        .order_by(c.at)
+        .limit(limit)
+        .with_for_update(skip_locked=True)
+        .scalar_subquery()
+    )
+    return (await conn.execute(delete(console_audit).where(c.id.in_(expired)))).rowcount
 
 
 def page_query(*, before: int | None, limit: int) -> Any:

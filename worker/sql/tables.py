@@ -287,6 +287,19 @@ console_audit = Table(
     Column("count", Integer, nullable=False, comment="how many it acted on"),
     Column("outcome", Text, nullable=False),
     Column("detail", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column(
+        "repeats",
+        Integer,
+        nullable=False,
+        server_default=text("1"),
+        comment="how many times it happened: a refusal repeated within a window counts here",
+    ),
+    Column(
+        "last_at",
+        DateTime(timezone=True),
+        nullable=True,
+        comment="when it last happened, for an entry repeated",
+    ),
     Index(None, "at"),
 )
 

@@ -1,9 +1,10 @@
 """``/login`` and ``/logout``: a token in, a session cookie out, and back.
 
 Invariant: the login form is protected against login CSRF by a double-submitted random value
-(a cookie of its own and a hidden field, equal); a client address gets ``LOGIN_ATTEMPTS`` failed
-logins per minute (then 429); the token is never echoed, logged or kept (the session keeps the
-user's name and role only); ``next`` leads only to a path of this console.
+(a cookie of its own and a hidden field, equal, compared as bytes whatever characters a client
+sends); failed logins are throttled by ``worker.console.throttle`` (429); the token is never
+echoed, logged or kept (the session keeps the user's name and role only); ``next`` leads only
+to a path of this console.
 """
 
 from __future__ import annotations
@@ -32,6 +33,12 @@ def _next(target: str | None) -> str:
     if not target or not target.startswith("/") or target.startswith("//") or "\\" in target:
         return "/"
     return target
+
+
+def _same(sent: str, kept: str) -> bool:
+    """Whether the form's value is the cookie's, in constant time (as bytes: ``compare_digest``
+    refuses a ``str`` that is not ASCII)."""
+    return hmac.compare_digest(sent.encode("utf-8", "replace"), kept.encode("utf-8", "replace"))
 
 
 def _login_page(
@@ -72,8 +79,8 @@ async def login_form(request: Request) -> Response:
 @router.post("/login")
 async def login(request: Request) -> Response:
     console = console_of(request)
-    address = request.client.host if request.client else "unknown"
-    if not console.login_allowed(address):
+    address = console.client_address(request.scope)
+    if not console.logins.allowed(address):
         return _login_page(
             request,
             error="Too many failed logins: wait a minute.",
@@ -81,7 +88,7 @@ async def login(request: Request) -> Response:
         )
     form = await read_form(request)
     sent, kept = form.one("login_csrf") or "", request.cookies.get(LOGIN_COOKIE) or ""
-    if not same_origin(request) or not kept or not hmac.compare_digest(sent, kept):
+    if not same_origin(request) or not kept or not _same(sent, kept):
         return _login_page(
             request,
             error="The form expired: log in again.",
@@ -90,13 +97,14 @@ async def login(request: Request) -> Response:
         )
     user = console.accounts.user(form.one("token") or "")
     if user is None:
-        console.login_failed(address)
+        console.logins.failed(address)
         return _login_page(
             request,
             error="That token is not accepted.",
             status=HTTPStatus.UNAUTHORIZED,
             next_path=form.one("next"),
         )
+    console.logins.succeeded(address)
     cookie, _ = console.sessions.start(user)
     await audit.record(console, user, "login", "", 0, "done")
     response = RedirectResponse(_next(form.one("next")), HTTPStatus.SEE_OTHER)
