@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, any_, bindparam, delete, exists, func, select
+from sqlalchemy import Select, any_, bindparam, delete, exists, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY, Uuid
 
@@ -29,7 +29,10 @@ class ParkingRow:
     """One parking: the copy's ``parking_id`` (its ``x-worker-parking-id`` header), the handler
     and key it was parked with (None when it had none), why, the routing key the worker routed
     it by, the SHA-256 of its body, and ``failed_key``: whether (handler, key) was recorded as
-    failed in the inbox with it. ``parked_at`` is the database's clock (None before insert)."""
+    failed in the inbox with it. ``parked_at`` is the database's clock (None before insert).
+    ``error``, ``exception_type``, ``attempts`` and ``first_failure_at``: the failure it was
+    parked for (None in a record written before migration 0011); ``replayed_at``: when its copy
+    was replayed (None: it was not)."""
 
     parking_id: uuid.UUID
     handler: str | None
@@ -39,14 +42,20 @@ class ParkingRow:
     body_sha256: bytes
     failed_key: bool
     parked_at: datetime | None = None
+    error: str | None = None
+    exception_type: str | None = None
+    attempts: int | None = None
+    first_failure_at: str | None = None
+    replayed_at: datetime | None = None
 
 
 _COLUMNS = [dead_letters.c[name] for name in ParkingRow.__dataclass_fields__]
 
 RECORD_PARKINGS = """
-INSERT INTO dead_letters (parking_id, handler, key, reason, routing_key, body_sha256, failed_key)
+INSERT INTO dead_letters (parking_id, handler, key, reason, routing_key, body_sha256, failed_key,
+                          error, exception_type, attempts, first_failure_at)
 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[],
-                     $7::bool[])
+                     $7::bool[], $8::text[], $9::text[], $10::int[], $11::text[])
 """
 """Every parking of a batch in one statement: one array per column, in the rows' order."""
 
@@ -66,6 +75,10 @@ async def record_parkings(conn: Connection, parkings: Sequence[ParkingRow]) -> N
         [p.routing_key for p in parkings],
         [p.body_sha256 for p in parkings],
         [p.failed_key for p in parkings],
+        [p.error for p in parkings],
+        [p.exception_type for p in parkings],
+        [p.attempts for p in parkings],
+        [p.first_failure_at for p in parkings],
     )
 
 
@@ -91,6 +104,15 @@ async def find_parkings(
         return {}
     found = await conn.execute(find_parkings_query(parking_ids))
     return {row.parking_id: ParkingRow(**row._asdict()) for row in found}
+
+
+async def mark_replayed(conn: AsyncConnection, parking_id: uuid.UUID) -> None:
+    """Record that the copy of ``parking_id`` was replayed (by the database's clock)."""
+    await conn.execute(
+        update(dead_letters)
+        .where(dead_letters.c.parking_id == parking_id)
+        .values(replayed_at=func.now())
+    )
 
 
 async def forget_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> None:
