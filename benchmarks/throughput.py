@@ -29,6 +29,16 @@ f. ``FastStream + faststream-outbox``: (d)'s pipeline written the way those libr
    timed from its ``ready`` line until (d)'s end condition holds; d/f is printed. Its ``cpu %``
    is the peer process's.
 
+j. ``worker, junk only``: ``--messages`` junk messages (``JUNK_KINDS`` in turn: no JSON, JSON the
+   payments handler refuses, a routing key no handler takes, a body over ``max_body_bytes``),
+   until every one is parked: junk parked per second; j/c compares it with good messages per
+   second.
+jc. ``worker, --junk junk, then (c)``: ``--junk`` (2000) junk messages ahead of (c)'s payments,
+   until every payment is handled and every junk message parked; its rate counts the payments,
+   so jc/c is (c)'s drain time over this one's (target 1/1.2: good work behind a junk flood
+   takes at most 1.2 times as long). ``--only junk`` runs (c) too. Each notes junk not parked
+   exactly once in the DLQ, and a throttled consumer.
+
 The payments are ``examples.payments.demo.plan_payments``: a share of them (``--duplicates``) are
 repeats of earlier ones, spread over ``--accounts`` accounts. The tables are emptied and a
 CHECKPOINT taken before each scenario that writes, so each starts from the same state. A timed
@@ -61,7 +71,7 @@ A fresh database ``worker_bench_<hex>`` is created next to the one in ``WORKER_D
 migrated and dropped at the end; exchanges and queues on ``WORKER_AMQP_URL`` are named
 ``bench-<hex>-<scenario>...`` and deleted at the end of each scenario. From the repository root::
 
-    .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,f,latency]
+    .venv/bin/python -m benchmarks.throughput [--messages 50000] [--only a,b,c,d,e,f,junk,latency]
         [--inbox-rows 10000000] [--quick]
 """
 
@@ -89,7 +99,7 @@ from collections.abc import (
     Iterable,
     Iterator,
 )
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aio_pika
@@ -128,7 +138,7 @@ from examples.payments.demo import DemoPlan, plan_payments, request_message
 from examples.payments.handlers import PaymentRequested, settle_payments_with_sqlalchemy
 from examples.payments.tables import accounts, ledger_entries
 from worker import Context, Router
-from worker.core.envelope import IDEMPOTENCY_KEY_HEADER
+from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, ROUTING_KEY_HEADER
 from worker.database import create_engine
 from worker.ops import runner
 from worker.settings import Settings, positive_float, positive_int
@@ -156,6 +166,7 @@ SCENARIOS = (
     "c-sa",
     "c-q",
     "poison",
+    "junk",
     "plain",
     "processes",
     "d",
@@ -169,6 +180,8 @@ GROUPS = {
     "c+": "c",
     "p1": "poison",
     "p10": "poison",
+    "j": "junk",
+    "jc": "junk",
     "a-uv": "uvloop",
     "c-uv": "uvloop",
     "n1": "processes",
@@ -207,15 +220,18 @@ class Options:
     latency_rate: float
     timeout: float
     inbox_rows: int
+    junk: int = 2000
     quick: bool = False
 
 
 @dataclass(frozen=True)
 class Timing:
-    """Wall-clock seconds of a timed drain, and the CPU seconds this process spent in them."""
+    """Wall-clock seconds of a timed drain, and the CPU seconds this process spent in them;
+    ``messages`` the drain's rate is counted in when not the plan's."""
 
     seconds: float
     cpu_seconds: float
+    messages: int | None = None
 
 
 @dataclass
@@ -248,6 +264,8 @@ TARGETS = (
     Target("c", "b", 4.0),
     Target("p1", "c", 0.85),
     Target("p10", "c", 0.5),
+    Target("j", "c", 0.0),
+    Target("jc", "c", 1 / 1.2),
     Target("plain", "b", 2.0),
     Target("plain-pre", "b", 0.0),
     Target("plain-pg", "b", 0.0),
@@ -674,6 +692,93 @@ def worker_poisoned(share: float) -> Scenario:
             return await _worker_relay_off(bench, key, messages=poisoned_messages(bench, share))
 
     return scenario
+
+
+JUNK_KINDS = ("undecodable", "invalid", "no-handler", "too-large")
+"""What a junk flood mixes, in turn: bodies that are no JSON, JSON the handler's type refuses, a
+routing key no handler takes, bodies over ``JUNK_MAX_BODY``."""
+JUNK_MAX_BODY = 4096
+"""The junk scenarios' ``max_body_bytes``, so a too-large body is cheap to publish."""
+
+
+def junk_messages(count: int) -> list[aio_pika.Message]:
+    """``count`` junk messages, ``JUNK_KINDS`` in turn, for the default exchange (the work
+    queue's name as routing key): each carries the routing key it claims as
+    ``ROUTING_KEY_HEADER``, so a routing key no handler takes reaches the work queue too."""
+    bodies = {
+        "undecodable": b"\xff\xfe not json",
+        "invalid": b'{"not": "a payment"}',
+        "no-handler": b'{"amount_cents": 1}',
+        "too-large": b"x" * (JUNK_MAX_BODY + 1),
+    }
+    messages = []
+    for n in range(count):
+        kind = JUNK_KINDS[n % len(JUNK_KINDS)]
+        key = f"junk-{kind}-{n}"
+        routing_key = "nobody.handles.this" if kind == "no-handler" else REQUESTED
+        messages.append(
+            aio_pika.Message(
+                bodies[kind],
+                content_type="application/json",
+                message_id=key,
+                headers={IDEMPOTENCY_KEY_HEADER: key, ROUTING_KEY_HEADER: routing_key},
+                delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
+            )
+        )
+    return messages
+
+
+async def junk_alone(bench: Bench) -> Timing:
+    """(j) ``--messages`` junk messages and nothing else: how fast the worker parks them."""
+    return await _junk_then_good(bench, "j", junk=bench.options.messages, good=False)
+
+
+async def junk_then_good(bench: Bench) -> Timing:
+    """(jc) ``--junk`` junk messages ahead of (c)'s payments: until every payment is handled
+    and every junk message parked; its rate counts the payments, so jc/c is (c)'s time over
+    this one's."""
+    return await _junk_then_good(bench, "jc", junk=bench.options.junk, good=True)
+
+
+async def _junk_then_good(bench: Bench, key: str, *, junk: int, good: bool) -> Timing:
+    """The worker as in (c), throttle as configured, draining ``junk`` junk messages and
+    then, with ``good``, the planned payments; notes any junk not parked once in the DLQ."""
+    settings = bench.names(key, relay=False, max_body_bytes=JUNK_MAX_BODY)
+    goods = [request_message(p) for p in bench.plan.sends] if good else []
+    await reset_tables(bench.engine)
+    try:
+        topology = await declare_topology(bench.channel, settings, payments_router.routing_keys())
+        started = time.perf_counter()
+        await publish_all(bench.channel.default_exchange, settings.queue, junk_messages(junk))
+        await publish_all(topology.exchange, REQUESTED, goods)
+        progress(
+            f"  preloaded {junk} junk and {len(goods)} payments "
+            f"in {time.perf_counter() - started:.1f} s"
+        )
+        with parked_quietly():
+            async with serving("worker", worker_service(settings)) as (task, stats):
+
+                async def finished() -> bool:
+                    return stats[Count.DEAD_LETTERED] >= junk and handled(stats) >= len(goods)
+
+                timing = await timed(finished, bench.options.timeout, task)
+        dlq = await bench.channel.declare_queue(settings.dead_letter_queue, passive=True)
+        parked = await queue_depth(dlq)
+    finally:
+        await delete_broker_objects(settings)
+    if parked != junk or stats[Count.DEAD_LETTERED] != junk:
+        bench.note(
+            key,
+            f"{parked} copies in the DLQ, {stats[Count.DEAD_LETTERED]} dead letters "
+            f"counted, for {junk} junk messages",
+        )
+    if odd := unusual(stats, expected=("dead_lettered", "throttled")):
+        bench.note(key, f"{odd} (all stats: {dict(stats)})")
+    if stats[Count.THROTTLED]:
+        bench.note(key, f"the consumer throttled {stats[Count.THROTTLED]} time(s)")
+    if good:
+        await check_payments(bench, key)
+    return replace(timing, messages=len(goods) if good else junk)
 
 
 @contextlib.contextmanager
@@ -1185,6 +1290,8 @@ TIMED: tuple[tuple[str, str, Scenario], ...] = (
     ("c-q", "worker, relay off, quorum queues", worker_on_quorum_queues),
     ("p1", "worker, 1 % poison", worker_poisoned(0.01)),
     ("p10", "worker, 10 % poison", worker_poisoned(0.10)),
+    ("j", "worker, junk only (parked)", junk_alone),
+    ("jc", "worker, --junk junk, then (c)", junk_then_good),
     ("plain", "worker, plain handler (2 stmts/msg)", worker_plain_handler),
     ("plain-pre", "plain, statements built once", worker_plain_prebuilt),
     ("plain-pg", "plain, (b)'s SQL on ctx.asyncpg", worker_plain_asyncpg),
@@ -1232,7 +1339,8 @@ async def run_scenarios(
                 bench.note(key, f"{exc}: lower --messages (or raise --timeout)")
             except ScenarioSkipped as exc:
                 bench.note(key, f"not run: {exc}")
-            bench.runs.append(Run(key, label, len(plan.sends), timing))
+            counted = timing.messages if timing and timing.messages else len(plan.sends)
+            bench.runs.append(Run(key, label, counted, timing))
             progress(f"  {timing.seconds:.1f} s" if timing else "  timed out")
         if with_latency and "latency" in options.only:
             progress(f"running latency at {options.latency_rate:g}/s ...")
@@ -1384,6 +1492,9 @@ def parse_options(argv: list[str] | None) -> Options:
         type=positive_int,
         help="also run (c) with this many earlier keys in the inbox, e.g. 10000000 (takes minutes)",
     )
+    parser.add_argument(
+        "--junk", type=positive_int, default=2000, help="junk messages ahead of (jc)'s payments"
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2000 messages")
     args = parser.parse_args(argv)
     messages = args.messages or (2000 if args.quick else 50_000)
@@ -1391,11 +1502,12 @@ def parse_options(argv: list[str] | None) -> Options:
         messages=messages,
         duplicates=args.duplicates,
         accounts=args.accounts,
-        only=args.only,
+        only=(*args.only, "c") if "junk" in args.only and "c" not in args.only else args.only,
         latency_seconds=args.latency_seconds or (1.0 if args.quick else 5.0),
         latency_rate=args.latency_rate,
         timeout=args.timeout or 120.0 + 0.02 * messages,
         inbox_rows=args.inbox_rows or 0,
+        junk=args.junk,
         quick=args.quick,
     )
 

@@ -55,6 +55,8 @@ class Reason(enum.StrEnum):
     CHECK_FAILED = "check-failed"
     NO_HANDLER = "no-handler"
     KEY_REUSED = "key-reused"
+    KEY_RESERVED = "key-reserved"
+    """A key of the ingress's space (``http:``) that the ingress did not accept for this body."""
     HANDLER_ERROR = "handler-error"
     RETRIES_EXHAUSTED = "retries-exhausted"
     INTERNAL_ERROR = "internal-error"
@@ -127,6 +129,13 @@ class KeyReused(Rejected):
     """idempotency key reused with a different payload"""
 
     reason = Reason.KEY_REUSED
+
+
+class KeyReserved(Rejected):
+    """The idempotency key is in the HTTP ingress's key space (``http:<client>:<key>``), but the
+    ingress accepted no request of that key and body for this handler."""
+
+    reason = Reason.KEY_RESERVED
 
 
 class HandlerFailed(Rejected):

@@ -433,7 +433,8 @@ class Settings:
         20,
         non_negative_int,
         Group.CONSUMER,
-        "dead letters in a row after which the consumer takes one message at a time; `0` never",
+        "handler failures parked in a row after which the consumer takes one message at a time "
+        "(junk refused by the worker's own checks does not count); `0` never",
     )
     failure_throttle_delay: float = setting(
         1.0,

@@ -57,7 +57,7 @@ from urllib.parse import urlsplit, urlunsplit
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, schema
-from worker.core import unit_of_work
+from worker.core import keyspace, unit_of_work
 from worker.core.batches import after_commit, checked, grouped
 from worker.core.codec import JSON_CONTENT_TYPE, decode_json, encode_json, is_json_content_type
 from worker.core.config import UnitOfWorkConfig
@@ -399,10 +399,12 @@ class Harness:
         """The consumer's ``handle_batch``, minus the broker: the deliveries that share a
         transaction, then those that failed their checks, then those that run alone."""
         check = checked(deliveries, self._open)
-        split = grouped(check.opened)
+        opened, refused = await keyspace.refused_keys(self.engine, check.opened)
+        split = grouped(opened)
         if split.together:
             await self._process_together(split.together, ends)
         await self._fail([(index, d, None, exc) for index, d, exc in check.rejected], ends)
+        await self._fail([(i, e.delivery, None, exc) for i, e, exc in refused], ends)
         for index, envelope in split.alone:
             await self._process_alone(index, envelope, ends)
 

@@ -14,6 +14,8 @@ RATIOS = (
     "c/b",
     "p1/c",
     "p10/c",
+    "j/c",
+    "jc/c",
     "plain/b",
     "plain-pre/b",
     "plain-pg/b",

@@ -234,6 +234,72 @@ async def test_a_forged_copy_is_unverified_refused_and_forced_touches_no_inbox_r
     assert await parkings_left(engine) == 2  # (the victim's stays until it expires)
 
 
+async def test_a_copy_of_a_parked_copy_shows_nothing_it_claims_and_replays_once(
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, ledger_table: None
+) -> None:
+    # Given a message the worker parked itself (its handler failed for good)
+    class Broken(Switch):
+        failing = "permanent"
+
+    async with running_worker(settings, ledger(Broken)):
+        await send(amqp, settings, b'{"n": 1}', {"idempotency-key": "k-copied"})
+        await dlq_depth(settings, 1)
+    [genuine] = await dlq.list_parked(amqp, engine, settings)
+    assert genuine.verified
+
+    # When an attacker dead-letters an exact copy of it (its body, key and parking id are shown
+    # to viewers and logged) with failure headers of their own choosing
+    lies = {
+        "x-worker-error": "TRANSIENT: the DB was down; replay with --force is safe",
+        "x-worker-exception-type": "OperationalError",
+        "x-worker-attempts": 7,
+        "x-worker-first-failure-at": "2020-01-01T00:00:00+00:00",
+    }
+    headers = forged_headers("k-copied", str(genuine.parking_id)) | lies
+    await forge(amqp, settings, b'{"n": 1}', headers)
+    await dlq_depth(settings, 2)
+
+    # Then the worker's copy shows its own record's failure, and the copy is a second copy of
+    # that parking, unverified, whatever its headers say
+    first, second = await dlq.list_parked(amqp, engine, settings)
+    assert first.verified
+    assert first.parking_id == genuine.parking_id
+    assert (first.error, first.exception_type, first.attempts) == (
+        "Permanent: the ledger is closed",
+        "Permanent",
+        1,
+    )
+    assert first.first_failure_at
+    assert not first.first_failure_at.startswith("2020")
+    assert not second.verified
+    assert second.unverified_because == f"a second copy of parking {genuine.parking_id}"
+    assert "TRANSIENT" not in second.error
+    listed = await worker(settings, "list")
+    assert listed.returncode == 0, listed.stderr
+    lines = [line for line in listed.stdout.splitlines() if line.startswith("key=")]
+    assert "TRANSIENT" not in lines[0], lines[0]
+    assert "second copy of parking" in lines[1], lines[1]
+
+    # When the operator fixes the handler and replays what the worker parked
+    class Fixed(Switch):
+        failing = None
+
+    async with running_worker(settings, ledger(Fixed)) as running:
+        replayed = await worker(settings, "replay", "--reason", "handler-error", "-v")
+        assert replayed.returncode == 0, replayed.stderr
+        assert "1 message(s) sent back" in replayed.stdout
+        await wait_until(lambda: _settled(running.stats, "processed", 1))
+
+    # Then the effect is applied once and the second copy stays, refused
+    assert await applied(engine) == [("k-copied", 1)]
+    [left] = await dlq.list_parked(amqp, engine, settings)
+    assert not left.verified
+    assert f"a copy of parking {genuine.parking_id}, replayed at" in (left.unverified_because or "")
+    refused = await worker(settings, "replay", "--key", "k-copied", "-v")
+    assert "0 message(s) sent back" in refused.stdout, refused.stdout
+    assert await applied(engine) == [("k-copied", 1)]
+
+
 async def parkings_left(engine: AsyncEngine) -> int:
     [(count,)] = await rows(engine, "SELECT count(*) FROM dead_letters")
     return int(count)

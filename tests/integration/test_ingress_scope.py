@@ -188,21 +188,67 @@ async def test_an_http_key_equal_to_an_amqp_key_neither_parks_nor_reads_the_amqp
     assert await count(engine, "ledger_entries") == 4
 
 
-async def test_a_key_taken_in_the_inbox_by_a_message_from_elsewhere_is_422(
+async def test_a_key_of_the_ingress_s_space_sent_over_amqp_is_parked_and_the_client_keeps_it(
     settings: Settings, engine: AsyncEngine
 ) -> None:
-    # Given a message published over AMQP under a key of the ingress's own key space
-    await handled_over_amqp(settings, engine, payment("forged", "mallory", 1), "http:anonymous:k9")
+    async with running_worker(settings, payments) as worker:
+        # Given a message published over AMQP under a key of the ingress's own key space
+        await publish_over_amqp(settings, payment("forged", "mallory", 1), "http:anonymous:k9")
 
-    # When a client posts that key
-    async with ingress(settings) as client:
-        posted = await client.post(REQUESTED, json=payment("p9"), headers=keyed("k9"))
-        read = await client.get(f"{REQUESTED}/k9")
+        async def parked() -> bool:
+            return worker.stats[Count.DEAD_LETTERED] == 1
 
-    # Then it is refused (its event would be parked as a reused key), and nothing is read
-    assert is_problem(posted, 422, "key-reused"), posted.text
-    assert is_problem(read, 404, "unknown-message"), read.text
-    assert await nothing_stored(engine)
+        await wait_until(parked, timeout=30)
+        # Then it is parked as a reserved key, its effect not applied and its key not taken
+        reasons = await rows(engine, "SELECT key, reason, failed_key FROM dead_letters")
+        assert [tuple(r) for r in reasons] == [("http:anonymous:k9", "key-reserved", False)]
+        assert await count(engine, "inbox") == 0
+        assert await count(engine, "ledger_entries") == 0
+
+        # When the client posts that key afterwards, and the same body under another key of
+        # the same space is published over AMQP after the request was accepted
+        async with ingress(settings) as client:
+            posted = await client.post(REQUESTED, json=payment("p9"), headers=keyed("k9"))
+            assert posted.status_code == 202, posted.text
+            await handled_all(engine, 1)
+            await publish_over_amqp(
+                settings, payment("forged-2", "mallory", 2), "http:anonymous:k9"
+            )
+
+            async def parked_again() -> bool:
+                return worker.stats[Count.DEAD_LETTERED] == 2
+
+            await wait_until(parked_again, timeout=30)
+            read = await client.get(f"{REQUESTED}/k9")
+
+    # Then the client's request ran under its key, and the second forgery (another body) was
+    # parked too, leaving the client's result alone
+    assert result_of(read)["payment_id"] == "p9"
+    assert await count(engine, "ledger_entries") == 1
+    reasons = await rows(engine, "SELECT reason FROM dead_letters")
+    assert [r[0] for r in reasons] == ["key-reserved", "key-reserved"]
+
+
+async def test_the_ingress_s_own_event_delivered_again_is_a_duplicate_not_a_reserved_key(
+    settings: Settings, engine: AsyncEngine
+) -> None:
+    async with running_worker(settings, payments) as worker, ingress(settings) as client:
+        # Given a request whose event the relay published and the worker handled
+        posted = await client.post(REQUESTED, json=payment("p10"), headers=keyed("k10"))
+        await handled_all(engine, 1)
+        # When its key and body arrive again over AMQP, as a redelivery or a replay would
+        await publish_over_amqp(settings, payment("p10"), "http:anonymous:k10")
+
+        async def absorbed() -> bool:
+            return worker.stats[Count.DUPLICATE] == 1
+
+        await wait_until(absorbed, timeout=30)
+        parked = worker.stats[Count.DEAD_LETTERED]
+
+    # Then it is a duplicate of the accepted request, not a reserved key
+    assert posted.status_code == 202, posted.text
+    assert parked == 0
+    assert await count(engine, "ledger_entries") == 1
 
 
 async def test_the_workers_own_events_are_not_served_without_an_allow_list(

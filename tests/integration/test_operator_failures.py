@@ -482,17 +482,25 @@ async def _consuming_worker(
 
 
 async def test_status_shows_a_throttled_worker_and_since_when(
-    settings: Settings, amqp: AbstractRobustConnection, tmp_path: Path
+    settings: Settings, engine: AsyncEngine, amqp: AbstractRobustConnection, tmp_path: Path
 ) -> None:
-    # Given a worker that takes one message at a time after 2 dead letters in a row
+    # Given a worker that takes one message at a time after 2 handler failures in a row
     port = free_port()
     async with _consuming_worker(
         settings, amqp, tmp_path / "worker.log", port, WORKER_FAILURE_THROTTLE_AFTER="2"
     ):
         before = datetime.now(UTC).replace(microsecond=0)
-        # When 3 messages in a row are parked (bodies the handler's type refuses)
+        payment = {"payment_id": "p-once", "account": "acct-1", "amount_cents": 100}
+        await _publish_payment(amqp, settings, payment, "good-0")
+
+        async def settled() -> bool:
+            sql = "SELECT count(*) FROM ledger_entries WHERE payment_id = 'p-once'"
+            return bool(await scalar(engine, sql))
+
+        await wait_until(settled, timeout=30)
+        # When 3 messages in a row fail in the handler (the payment again, under other keys)
         for n in range(3):
-            await _publish_payment(amqp, settings, {"not": "a payment"}, f"bad-{n}")
+            await _publish_payment(amqp, settings, payment, f"again-{n}")
         health = await _healthz_until(port, "throttled")
         done = await asyncio.to_thread(worker, settings, "status", WORKER_HTTP_PORT=str(port))
     # Then /healthz and `worker status` say it is throttled, and since when

@@ -29,10 +29,12 @@ from worker.errors import (
     HandlerFailed,
     InvalidBody,
     KeyReused,
+    NoHandler,
     PauseReason,
     Permanent,
     Reason,
     Retryable,
+    UndecodableBody,
 )
 from worker.settings import Settings
 
@@ -72,13 +74,13 @@ OPENED_SPENT = FailureFacts(attempt=1, tries=3, database_answers=True)
             Retryable(),
             FailureFacts(attempt=3, tries=3),
             POLICY,
-            Park(Reason.RETRIES_EXHAUSTED, record_key=True),
+            Park(Reason.RETRIES_EXHAUSTED, record_key=True, paces=True),
         ),
         (
             Retryable(),
             OPENED_SPENT,
             NO_DELAYED_RETRIES,
-            Park(Reason.RETRIES_EXHAUSTED, record_key=True),
+            Park(Reason.RETRIES_EXHAUSTED, record_key=True, paces=True),
         ),
         # Given a transient error while checking (no key, nothing ran), Then no try in process
         (
@@ -91,23 +93,41 @@ OPENED_SPENT = FailureFacts(attempt=1, tries=3, database_answers=True)
             _wrapped(CheckFailed(), OSError()),
             FailureFacts(attempt=3, tries=0),
             POLICY,
-            Park(Reason.RETRIES_EXHAUSTED, record_key=False),
+            Park(Reason.RETRIES_EXHAUSTED, record_key=False, paces=False),
         ),
-        # Given a rejection, Then park it with its reason; a key is recorded if it has one
-        (InvalidBody(), FailureFacts(tries=0), POLICY, Park(Reason.INVALID, record_key=False)),
-        (BodyTooLarge(), FailureFacts(tries=0), POLICY, Park(Reason.BODY_TOO_LARGE, False)),
-        (HandlerFailed(), OPENED_SPENT, POLICY, Park(Reason.HANDLER_ERROR, record_key=True)),
+        # Given a rejection, Then park it with its reason; a key is recorded if it has one, and
+        # only a handler's failure paces the consumer: one the checks refused is the sender's
+        (
+            InvalidBody(),
+            FailureFacts(tries=0),
+            POLICY,
+            Park(Reason.INVALID, record_key=False, paces=False),
+        ),
+        (BodyTooLarge(), FailureFacts(tries=0), POLICY, Park(Reason.BODY_TOO_LARGE, False, False)),
+        (UndecodableBody(), FailureFacts(tries=0), POLICY, Park(Reason.UNDECODABLE, False, False)),
+        (NoHandler(), FailureFacts(tries=0), POLICY, Park(Reason.NO_HANDLER, False, False)),
+        (
+            HandlerFailed(),
+            OPENED_SPENT,
+            POLICY,
+            Park(Reason.HANDLER_ERROR, record_key=True, paces=True),
+        ),
         # … except a reused key: it belongs to the first payload, so it is never marked failed
-        (KeyReused(), OPENED_SPENT, POLICY, Park(Reason.KEY_REUSED, record_key=False)),
+        (KeyReused(), OPENED_SPENT, POLICY, Park(Reason.KEY_REUSED, record_key=False, paces=False)),
         # Given Permanent before a transient cause, Then it is the message's fault: park
         (
             _wrapped(HandlerFailed(), _wrapped(Permanent(), TimeoutError())),
             OPENED_SPENT,
             POLICY,
-            Park(Reason.HANDLER_ERROR, record_key=True),
+            Park(Reason.HANDLER_ERROR, record_key=True, paces=True),
         ),
         # Given an error that is no rejection and not transient (a bug), Then internal-error
-        (ValueError("bug"), OPENED_SPENT, POLICY, Park(Reason.INTERNAL_ERROR, record_key=True)),
+        (
+            ValueError("bug"),
+            OPENED_SPENT,
+            POLICY,
+            Park(Reason.INTERNAL_ERROR, record_key=True, paces=True),
+        ),
         # Given the deployment's fault (SQLSTATE class 42), Then pause: nothing parked
         (_SqlState("42P01"), OPENED_SPENT, POLICY, Pause(PauseReason.DEPLOYMENT)),
         (

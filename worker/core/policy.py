@@ -12,7 +12,10 @@ Invariant: every failure path ends. In order:
   ``internal-error``.
 - A parked delivery that passed its checks has its key recorded as failed (a later duplicate is
   acked without running), unless its key was reused with another payload (the key belongs to
-  the first payload).
+  the first payload). Only such a parking is the handler's failure, and only those in a row
+  throttle the consumer (``Park.paces``): a delivery refused by the worker's own checks (no
+  JSON, an invalid body, no handler, too large) or a reused key is the sender's, parked at full
+  speed, since pacing could not save it.
 
 Whose fault a failure is, ``errors.classify`` alone says. Nothing here does I/O. The consumer
 (``transport.failures``), the in-process retries (``backoff.in_process``) and the test
@@ -130,10 +133,13 @@ class RetryLater:
 @dataclass(frozen=True)
 class Park:
     """Park a copy in the dead-letter queue with ``reason``; with ``record_key``, record the
-    delivery's key as failed so that a later duplicate is acked without running again."""
+    delivery's key as failed so that a later duplicate is acked without running again; with
+    ``paces``, the handler failed: it counts toward the dead letters in a row that throttle the
+    consumer."""
 
     reason: Reason
     record_key: bool
+    paces: bool
 
     @property
     def unexpected(self) -> bool:
@@ -181,4 +187,12 @@ def decide(exc: BaseException, facts: FailureFacts, settings: PolicySettings) ->
         reason = Reason.RETRIES_EXHAUSTED
     else:
         reason = exc.reason if isinstance(exc, Rejected) else Reason.INTERNAL_ERROR
-    return Park(reason, record_key=facts.opened and reason is not Reason.KEY_REUSED)
+    handlers = handlers_failure(reason, opened=facts.opened)
+    return Park(reason, record_key=handlers, paces=handlers)
+
+
+def handlers_failure(reason: Reason, *, opened: bool) -> bool:
+    """True when a delivery that failed for ``reason`` failed in its handler: it passed its
+    checks (``opened``) and its key was not reused. Only such a failure records its key as
+    failed, and only such dead letters in a row throttle the consumer."""
+    return opened and reason is not Reason.KEY_REUSED

@@ -25,25 +25,16 @@ from worker.core.envelope import (
     check_key,
     idempotency_key,
 )
+from worker.core.keyspace import HTTP_KEY_PREFIX
 from worker.errors import BodyTooLarge, InvalidKey, MissingKey
 from worker.ingress.problems import unsupported_media_type
 from worker.settings import MAX_CLIENT_NAME_LENGTH
 
 _KEY_HEADER = IDEMPOTENCY_KEY_HEADER.encode("latin-1")
 
-HTTP_KEY_PREFIX = "http:"
-"""Opens every key the ingress hands a handler (``handler_key``)."""
-
 MAX_CLIENT_KEY_LENGTH = MAX_KEY_LENGTH - len(HTTP_KEY_PREFIX) - MAX_CLIENT_NAME_LENGTH - 1
 """The longest Idempotency-Key a client may send: its ``handler_key`` must be a key the inbox
 takes (``MAX_KEY_LENGTH``) with the longest client name."""
-
-
-def handler_key(client: str, key: str) -> str:
-    """The key the handler runs under (``ctx.key``, the event's ``idempotency-key``) for
-    ``client``'s Idempotency-Key ``key``: ``http:<client>:<key>``. A key sent over AMQP as
-    ``order-1`` and one posted as ``order-1`` are two keys, and so are two clients' ``order-1``."""
-    return f"{HTTP_KEY_PREFIX}{client}:{key}"
 
 
 def check_client_key(raw: object) -> str:

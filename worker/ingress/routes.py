@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 from worker import logs
 from worker.core.envelope import open_envelope
 from worker.core.handler import Handler
+from worker.core.keyspace import handler_key
 from worker.core.router import Router
 from worker.errors import ConfigurationError, Fault, InvalidKey, NoHandler, Rejected, classify
 from worker.ingress import schemas
@@ -42,7 +43,7 @@ from worker.ingress.problems import (
     unavailable,
     unknown_message,
 )
-from worker.ingress.reading import check_client_key, client_key, handler_key, read_delivery
+from worker.ingress.reading import check_client_key, client_key, read_delivery
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)

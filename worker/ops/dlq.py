@@ -65,8 +65,6 @@ from worker.transport.dead_letters import (
     BROKER_HEADERS,
     DEAD_LETTERED_AT,
     ERROR,
-    EXCEPTION_TYPE,
-    FIRST_FAILURE_AT,
     HANDLER,
     ORIGINAL_ROUTING_KEY,
     PARKING_ID,
@@ -78,6 +76,10 @@ from worker.transport.publisher import publish_on
 from worker.transport.topology import count_queues
 
 UNVERIFIED = "unverified"
+
+NOT_RECORDED = "(not recorded: parked before the worker kept the failure in its record)"
+"""The error shown for a parking recorded before migration 0011, whose record has none (its
+copy's headers are never shown in its place)."""
 """The reason a copy without the worker's record of it is listed with (its own is a claim)."""
 
 REASONS: tuple[str, ...] = (*(reason.value for reason in Reason), UNVERIFIED)
@@ -127,12 +129,13 @@ def _text(headers: Mapping[str, Any], name: str, default: str = "") -> str:
 class Parked:
     """A message in the dead-letter queue, as ``worker dlq`` shows it.
 
-    For a copy the worker parked (``verified``), ``key``, ``handler``, ``reason``,
-    ``routing_key`` and ``dead_lettered_at`` are the worker's record's; ``error`` and the other
-    failure facts are the headers the worker wrote. For any other copy, ``reason`` is
-    ``unverified``, ``unverified_because`` says why, ``handler`` is None, ``key`` is its own
-    idempotency key (the one a fresh delivery would run under), ``routing_key`` the one the
-    broker routed it by, and what its ``x-worker-*`` headers say is in ``claims``.
+    For a copy the worker parked (``verified``), every field is the worker's record's, never
+    the copy's headers (anyone who can dead-letter a copy of a parked message chooses those).
+    The first copy of a parking in the DLQ is verified; a later one is not. For any other
+    copy, ``reason`` is ``unverified``, ``unverified_because`` says why, ``handler`` is None,
+    ``key`` is its own idempotency key (the one a fresh delivery would run under),
+    ``routing_key`` the one the broker routed it by, and what its ``x-worker-*`` headers say is
+    in ``claims``.
     """
 
     key: str | None
@@ -168,24 +171,36 @@ class Parked:
 
     @classmethod
     def of(
-        cls, message: AbstractIncomingMessage, record: ParkingRow | None, settings: Settings
+        cls,
+        message: AbstractIncomingMessage,
+        record: ParkingRow | None,
+        settings: Settings,
+        *,
+        seen: set[uuid.UUID] | None = None,
     ) -> Parked:
         """``message`` as the worker's ``record`` of it (found by its parking id) says, or as an
-        unverified copy when there is none or it names another body or key."""
+        unverified copy when there is none, it names another body or key, or (``seen``: the
+        parking ids of the copies before it in the sweep, which this adds its own to) a copy of
+        that parking came before it."""
         headers = dict(message.headers or {})
         digest = body_digest(message.body)
         key = key_of(message)
         why = _unverified_because(headers, record, digest, key)
+        if record is not None and why is None and record.replayed_at is not None:
+            why = f"a copy of parking {record.parking_id}, replayed at {record.replayed_at:%c}"
+        if record is not None and why is None and seen is not None:
+            if record.parking_id in seen:
+                why = f"a second copy of parking {record.parking_id}"
+            seen.add(record.parking_id)
         if record is not None and why is None:
-            attempts = headers.get(ATTEMPTS)
             return cls(
                 key=record.key,
                 handler=record.handler,
                 reason=record.reason,
-                error=_text(headers, ERROR),
-                exception_type=_text(headers, EXCEPTION_TYPE),
-                attempts=attempts if isinstance(attempts, int) else 0,
-                first_failure_at=_text(headers, FIRST_FAILURE_AT),
+                error=NOT_RECORDED if record.error is None else record.error,
+                exception_type=record.exception_type or "",
+                attempts=record.attempts or 0,
+                first_failure_at=record.first_failure_at or "",
                 routing_key=record.routing_key,
                 message_id=message.message_id,
                 dead_lettered_at=record.parked_at,
@@ -546,6 +561,7 @@ async def _sweep(
     try:
         queue = await channel.declare_queue(settings.dead_letter_queue, passive=True)
         taking = _Taking(channel, queue, engine, quorum=settings.queue_type == "quorum")
+        seen: set[uuid.UUID] = set()
         done = 0
         while limit is None or done < limit:
             if scan is not None and scan.taken >= scan.limit:
@@ -557,7 +573,7 @@ async def _sweep(
             if scan is not None:
                 scan.taken += 1
             message, record = taken
-            parked = Parked.of(message, record, settings)
+            parked = Parked.of(message, record, settings, seen=seen)
             if not selection.matches(parked) or _parked_later(parked, parked_before):
                 continue
             try:
@@ -782,8 +798,8 @@ async def _replay_one(
     parked: Parked,
 ) -> None:
     """Clear the failed key ``parked``'s record names (if it names one), publish its copy to the
-    work queue, ack it after the confirm. The record stays (it expires): a second copy of the
-    same parking, however it came about, is still the worker's, and its replay a duplicate."""
+    work queue, mark the record replayed after the confirm and then ack the copy. The record
+    stays (it expires), marked: any other copy of that parking is unverified from then on."""
     if parked.verified and parked.failed_key and parked.handler and parked.key is not None:
         async with engine.begin() as conn:
             await inbox.clear_failure(conn, parked.handler, parked.key)
@@ -791,6 +807,9 @@ async def _replay_one(
     headers[ORIGINAL_ROUTING_KEY] = parked.routing_key
     properties = copy_properties(message, headers)
     await publish_on(channel, message.body, properties, exchange="", routing_key=settings.queue)
+    if parked.verified and parked.parking_id is not None:
+        async with engine.begin() as conn:
+            await parkings.mark_replayed(conn, parked.parking_id)
     await message.ack()
 
 

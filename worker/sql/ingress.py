@@ -68,6 +68,16 @@ ORDER BY client = ''
 LIMIT 1
 """
 
+ACCEPTED_KEYS = """
+SELECT v.handler, v.handler_key
+FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[])
+    AS v (handler, client, key, handler_key, fingerprint)
+WHERE EXISTS (
+    SELECT FROM ingress_requests AS r
+    WHERE r.handler = v.handler AND r.client IN (v.client, '') AND r.key = v.key
+      AND r.handler_key = v.handler_key AND r.fingerprint = v.fingerprint)
+"""
+
 KEY_HANDLED = """
 SELECT EXISTS (SELECT FROM inbox WHERE handler = $1 AND key = $2)
 """
@@ -113,6 +123,33 @@ async def find_request(
     driver = await in_transaction(conn)
     found = await driver.fetchrow(FIND_REQUEST, handler, client, key)
     return None if found is None else (bytes(found[0]), found[1])
+
+
+@dataclass(frozen=True)
+class KeyClaim:
+    """A delivery's claim to a key of the ingress's space: its handler, the client and
+    Idempotency-Key its key names, the key itself and its body's fingerprint."""
+
+    handler: str
+    client: str
+    key: str
+    handler_key: str
+    fingerprint: bytes
+
+
+async def accepted_keys(conn: Connection, claims: list[KeyClaim]) -> set[tuple[str, str]]:
+    """The (handler, handler_key) of ``claims`` whose request the ingress accepted with that
+    very body: one statement, each row found by its primary key."""
+    driver = await in_transaction(conn)
+    rows = await driver.fetch(
+        ACCEPTED_KEYS,
+        [c.handler for c in claims],
+        [c.client for c in claims],
+        [c.key for c in claims],
+        [c.handler_key for c in claims],
+        [c.fingerprint for c in claims],
+    )
+    return {(row[0], row[1]) for row in rows}
 
 
 async def key_handled(conn: Connection, handler: str, handler_key: str) -> bool:

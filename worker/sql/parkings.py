@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, any_, bindparam, delete, exists, func, insert, select
+from sqlalchemy import Select, any_, bindparam, delete, exists, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.types import ARRAY, Uuid
 
+from worker.sql.driver import Connection, in_transaction
 from worker.sql.tables import dead_letters, interval
 
 
@@ -28,7 +29,10 @@ class ParkingRow:
     """One parking: the copy's ``parking_id`` (its ``x-worker-parking-id`` header), the handler
     and key it was parked with (None when it had none), why, the routing key the worker routed
     it by, the SHA-256 of its body, and ``failed_key``: whether (handler, key) was recorded as
-    failed in the inbox with it. ``parked_at`` is the database's clock (None before insert)."""
+    failed in the inbox with it. ``parked_at`` is the database's clock (None before insert).
+    ``error``, ``exception_type``, ``attempts`` and ``first_failure_at``: the failure it was
+    parked for (None in a record written before migration 0011); ``replayed_at``: when its copy
+    was replayed (None: it was not)."""
 
     parking_id: uuid.UUID
     handler: str | None
@@ -38,29 +42,43 @@ class ParkingRow:
     body_sha256: bytes
     failed_key: bool
     parked_at: datetime | None = None
+    error: str | None = None
+    exception_type: str | None = None
+    attempts: int | None = None
+    first_failure_at: str | None = None
+    replayed_at: datetime | None = None
 
 
 _COLUMNS = [dead_letters.c[name] for name in ParkingRow.__dataclass_fields__]
 
+RECORD_PARKINGS = """
+INSERT INTO dead_letters (parking_id, handler, key, reason, routing_key, body_sha256, failed_key,
+                          error, exception_type, attempts, first_failure_at)
+SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::text[], $5::text[], $6::bytea[],
+                     $7::bool[], $8::text[], $9::text[], $10::int[], $11::text[])
+"""
+"""Every parking of a batch in one statement: one array per column, in the rows' order."""
 
-async def record_parkings(conn: AsyncConnection, parkings: Sequence[ParkingRow]) -> None:
-    """Insert ``parkings`` in ``conn``'s transaction (commit it before publishing their copies)."""
+
+async def record_parkings(conn: Connection, parkings: Sequence[ParkingRow]) -> None:
+    """Insert ``parkings`` in ``conn``'s transaction, in one statement however many (commit it
+    before publishing their copies)."""
     if not parkings:
         return
-    await conn.execute(
-        insert(dead_letters),
-        [
-            {
-                "parking_id": p.parking_id,
-                "handler": p.handler,
-                "key": p.key,
-                "reason": p.reason,
-                "routing_key": p.routing_key,
-                "body_sha256": p.body_sha256,
-                "failed_key": p.failed_key,
-            }
-            for p in parkings
-        ],
+    driver = await in_transaction(conn)
+    await driver.execute(
+        RECORD_PARKINGS,
+        [p.parking_id for p in parkings],
+        [p.handler for p in parkings],
+        [p.key for p in parkings],
+        [p.reason for p in parkings],
+        [p.routing_key for p in parkings],
+        [p.body_sha256 for p in parkings],
+        [p.failed_key for p in parkings],
+        [p.error for p in parkings],
+        [p.exception_type for p in parkings],
+        [p.attempts for p in parkings],
+        [p.first_failure_at for p in parkings],
     )
 
 
@@ -86,6 +104,15 @@ async def find_parkings(
         return {}
     found = await conn.execute(find_parkings_query(parking_ids))
     return {row.parking_id: ParkingRow(**row._asdict()) for row in found}
+
+
+async def mark_replayed(conn: AsyncConnection, parking_id: uuid.UUID) -> None:
+    """Record that the copy of ``parking_id`` was replayed (by the database's clock)."""
+    await conn.execute(
+        update(dead_letters)
+        .where(dead_letters.c.parking_id == parking_id)
+        .values(replayed_at=func.now())
+    )
 
 
 async def forget_parking(conn: AsyncConnection, parking_id: uuid.UUID) -> None:

@@ -252,6 +252,30 @@ dead_letters = Table(
         comment="(handler, key) was recorded as failed in the inbox with this parking",
     ),
     Column("parked_at", DateTime(timezone=True), nullable=False, server_default=func.now()),
+    Column(
+        "error",
+        Text,
+        nullable=True,
+        comment="the failure the copy was parked for, as the worker wrote it",
+    ),
+    Column(
+        "exception_type", Text, nullable=True, comment="the type of the exception that failed it"
+    ),
+    Column(
+        "attempts",
+        Integer,
+        nullable=True,
+        comment="failed deliveries of the message, this one included",
+    ),
+    Column(
+        "first_failure_at", Text, nullable=True, comment="when its first delivery failed (ISO 8601)"
+    ),
+    Column(
+        "replayed_at",
+        DateTime(timezone=True),
+        nullable=True,
+        comment="when its copy was replayed, if it was",
+    ),
     Index(None, "parked_at"),
     Index(None, "handler", "key"),
 )

@@ -18,14 +18,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
 
 from aio_pika.abc import AbstractRobustConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker import backoff, logs, tracing
 from worker.backoff import first
-from worker.core import unit_of_work
+from worker.core import keyspace, unit_of_work
 from worker.core.batches import after_commit, checked, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
@@ -82,6 +84,23 @@ def delivery_from_amqp(message: Received) -> Delivery:
         exchange=message.exchange,
         redelivered=message.redelivered,
     )
+
+
+async def _together(*work: Coroutine[Any, Any, None]) -> None:
+    """Run ``work`` at once to its end, every one (none is cancelled: one may hold a
+    transaction); then raise the first error, if any."""
+    for outcome in await asyncio.gather(*work, return_exceptions=True):
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The deliveries of a batch whose keys of the ingress's space may not run: ``reserved``
+    (the ingress accepted no such request) and ``unanswered`` (the database could not say)."""
+
+    reserved: list[tuple[Received, Envelope, Exception]]
+    unanswered: list[tuple[Received, Envelope, Exception]]
 
 
 class Consumer:
@@ -277,9 +296,9 @@ class Consumer:
     async def handle_batch(self, messages: list[Received]) -> None:
         """Process deliveries to their end, those that can share one in one transaction.
 
-        The deliveries that pass their checks are processed together
-        (``unit_of_work.process_batch``) and acked after its commit; then those that failed
-        their checks are parked, and workflows run, each alone. If the
+        Those that failed their checks are parked together while the deliveries that passed
+        them are processed together (``unit_of_work.process_batch``) and acked after its
+        commit; then workflows run, each alone. If the
         batch fails in any way, each of its deliveries is processed again in a transaction of
         its own, so only the failing one takes the failure path.
         """
@@ -296,16 +315,42 @@ class Consumer:
             await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
         check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
-        split = grouped(check.opened)
-        if split.together:
+        opened, refused = await self._in_own_key_space(check.opened)
+        split = grouped(opened)
+        rejected = [*check.rejected, *((m, e.delivery, exc) for m, e, exc in refused.reserved)]
+        if rejected:  # (neither waits for the other: parking waits on the broker mostly)
+            await _together(
+                self.failures.failed_checks(rejected),
+                self._process_together(split.together),
+            )
+        else:
             await self._process_together(split.together)
-        for message, delivery, rejection in check.rejected:
-            with logs.message_context(delivery):
-                await self.failures.delivery_failed(message, delivery, None, rejection)
+        for message, envelope, exc in refused.unanswered:
+            with logs.message_context(envelope.delivery):
+                await self.failures.delivery_failed(message, envelope.delivery, envelope, exc)
         for message, envelope in split.alone:  # a lone message, and workflows: each its own run
             await self._process_alone(message, envelope)
 
+    async def _in_own_key_space(
+        self, opened: list[tuple[Received, Envelope]]
+    ) -> tuple[list[tuple[Received, Envelope]], _Refused]:
+        """``keyspace.refused_keys``: a key of the ingress's space it did not accept is refused
+        (parked with the failed checks, its key not recorded). If the database cannot tell,
+        those deliveries take the failure path with its error, each alone (transient: retried
+        later, or the worker pauses)."""
+        try:
+            kept, reserved = await keyspace.refused_keys(self.engine, opened)
+        except Exception as exc:
+            claimed = [(m, e, exc) for m, e in opened if keyspace.claim_of(e) is not None]
+            if not claimed:
+                raise
+            others = [(m, e) for m, e in opened if keyspace.claim_of(e) is None]
+            return others, _Refused([], claimed)
+        return kept, _Refused(list(reserved), [])
+
     async def _process_together(self, together: list[tuple[Received, Envelope]]) -> None:
+        if not together:
+            return
         envelopes = [envelope for _, envelope in together]
         handlers = {envelope.handler.name for envelope in envelopes}
         try:

@@ -23,6 +23,7 @@ from aio_pika.abc import AbstractChannel
 from worker import logs
 from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Envelope
 from worker.core.outcomes import Outcome
+from worker.core.policy import handlers_failure
 from worker.errors import Fault, PauseReason, Reason, classify
 from worker.settings import Settings
 from worker.sql.parkings import ParkingRow
@@ -48,13 +49,15 @@ Publish = Callable[[AbstractChannel], Awaitable[None]]
 @dataclass(frozen=True)
 class FailureCopy:
     """The copy (DLQ or delayed-retry) a failed delivery, ``message``, is turned into, for
-    ``reason``, sent by ``publish`` (``envelope`` None when the delivery failed its checks)."""
+    ``reason``, sent by ``publish`` (``envelope`` None when the delivery failed its checks);
+    ``paces`` when it failed in its handler (``core.policy.handlers_failure``)."""
 
     message: Received
     envelope: Envelope | None
     failure: Failure
     reason: Reason
     publish: Publish
+    paces: bool
 
     def logged(self) -> contextlib.AbstractContextManager[None]:
         """Tag the records logged inside with the delivery's identity."""
@@ -113,6 +116,8 @@ class CopyPublisher:
         failure: Failure,
         reason: Reason,
         record: ParkingRow,
+        *,
+        paces: bool,
     ) -> FailureCopy:
         """The copy that parks ``message`` in the dead-letter queue, as ``record`` says."""
         topology = self.subscription.topology
@@ -122,7 +127,7 @@ class CopyPublisher:
         async def publish(channel: AbstractChannel) -> None:
             await dead_letters.park(channel, exchange, message, failure, record)
 
-        return FailureCopy(message, envelope, failure, reason, publish)
+        return FailureCopy(message, envelope, failure, reason, publish, paces)
 
     @staticmethod
     def retry_copy(
@@ -136,7 +141,9 @@ class CopyPublisher:
         async def publish(channel: AbstractChannel) -> None:
             await dead_letters.schedule_retry(channel, message, failure, retry_queue=retry_queue)
 
-        return FailureCopy(message, envelope, failure, Reason.RETRY_FAILED, publish)
+        reason = Reason.RETRY_FAILED
+        paces = handlers_failure(reason, opened=envelope is not None)
+        return FailureCopy(message, envelope, failure, reason, publish, paces)
 
     async def requeue(self, message: Received, handler: str | None) -> None:
         """Return ``message`` to the queue untouched (a fault that is not the message's)."""
@@ -201,7 +208,7 @@ class CopyPublisher:
                         message.message_id,
                         copy.reason,
                     )
-                    await self._reject_to_broker(message, copy.failure, copy.reason)
+                    await self._reject_to_broker(copy)
             else:
                 sending.append(index)
         errors = await _confirmed(copies[index].publish(topology.channel) for index in sending)
@@ -236,10 +243,11 @@ class CopyPublisher:
             message.message_id,
             exc_info=exc,
         )
-        await self._reject_to_broker(message, failure, reason)
+        await self._reject_to_broker(copy)
 
-    async def _reject_to_broker(self, message: Received, failure: Failure, reason: Reason) -> None:
-        """Let the work queue's dead-letter exchange park ``message`` as it is (``x-death``)."""
+    async def _reject_to_broker(self, copy: FailureCopy) -> None:
+        """Let the work queue's dead-letter exchange park ``copy``'s delivery as it is
+        (``x-death``)."""
         self.telemetry.count(Count.REJECTED_TO_BROKER)
-        self.streak.dead_lettered(failure.handler, reason)
-        await self.settlements.reject(message)
+        self.streak.dead_lettered(copy.failure.handler, copy.reason, paces=copy.paces)
+        await self.settlements.reject(copy.message)

@@ -87,8 +87,7 @@ class Failure:
         """The delivery's headers plus the ``x-worker-*`` ones that explain this failure (and
         without a parking id it came with: only a parked copy has one, its own)."""
         headers = {k: v for k, v in self.delivery.headers.items() if k != PARKING_ID}
-        now = datetime.now(UTC).isoformat()
-        headers.setdefault(FIRST_FAILURE_AT, now)
+        headers.setdefault(FIRST_FAILURE_AT, datetime.now(UTC).isoformat())
         headers.setdefault(ORIGINAL_EXCHANGE, self.delivery.exchange)
         headers.update(
             {
@@ -114,7 +113,19 @@ class Failure:
             routing_key=storable(self.delivery.routing_key, MAX_ERROR_LENGTH),
             body_sha256=body_digest(self.delivery.body),
             failed_key=failed_key,
+            error=self.error,
+            exception_type=self.exception_type,
+            attempts=self.attempts,
+            first_failure_at=self.first_failure_at,
         )
+
+    @property
+    def first_failure_at(self) -> str:
+        """When the message first failed: as its earlier delayed retry's copy said, else now."""
+        first = self.delivery.headers.get(FIRST_FAILURE_AT)
+        if isinstance(first, str) and first:
+            return storable(first, 64)
+        return datetime.now(UTC).isoformat()
 
     def dead_letter_headers(
         self, reason: str, parking_id: uuid.UUID | None = None

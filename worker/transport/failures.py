@@ -4,9 +4,11 @@
 Every delivery it is given ends in exactly one of them, counted once. Parking, in order: the
 copies' parking records commit (``core.failure_records``); the DLQ copies are published
 (``copies``); the keys the policy says are recorded as failed, in one transaction; the deliveries
-are acked. The deliveries that failed in one committed batch (``failed_in_committed_batch``) are
-parked together, each step once for all of them; a crash between two steps leaves them as a crash
-would leave one delivery between the same steps.
+are acked. The deliveries of one batch that failed their checks (``failed_checks``), or failed
+in its committed transaction (``failed_in_committed_batch``), are parked together: one statement
+for their records, their copies published at once and their confirms awaited together, one
+settlement of their acks; a crash between two steps leaves them as a crash would leave one
+delivery between the same steps.
 """
 
 from __future__ import annotations
@@ -94,20 +96,31 @@ class Failures:
         self,
         message: Received,
         delivery: Delivery,
-        envelope: Envelope | None,
+        envelope: Envelope,
         exc: Exception,
     ) -> None:
         """Carry out the policy's decision for ``message``, which failed with ``exc`` after its
-        in-process tries (``envelope`` is None when it failed its checks)."""
-        failed = self._failed_delivery(message, delivery, envelope, exc)
-        facts = FailureFacts.of(delivery, self.policy, opened=envelope is not None)
+        in-process tries, alone in its unit of work."""
+        facts = FailureFacts.of(delivery, self.policy, opened=True)
         if asks_database(facts):
             facts = replace(facts, database_answers=await self.gate.database_answers())
-        decision = decide(exc, facts, self.policy)
-        if isinstance(decision, Park):
-            await self._park([self._to_park(failed, decision, exc)])
-        else:
-            await self._carry_out(failed, decision, exc)
+        await self._route([(self._failed_delivery(message, delivery, envelope, exc), facts, exc)])
+
+    async def failed_checks(self, rejected: Sequence[tuple[Received, Delivery, Exception]]) -> None:
+        """Carry out the policy's decision for each (delivery, error) of a batch that failed its
+        checks: the worker refused them on its own (no key, no unit of work, no database asked
+        about them), so those the policy parks are parked together (``_park``), each step once
+        for all of them."""
+        await self._route(
+            [
+                (
+                    self._failed_delivery(message, delivery, None, exc),
+                    FailureFacts.of(delivery, self.policy, opened=False),
+                    exc,
+                )
+                for message, delivery, exc in rejected
+            ]
+        )
 
     async def failed_in_committed_batch(
         self, failures: Sequence[tuple[Received, Envelope, Exception]]
@@ -116,21 +129,38 @@ class Failures:
         transaction committed after they failed in it, each failed for good, with distinct keys.
 
         PostgreSQL answered after these failures (it committed), so it is not probed again; the
-        deliveries the policy parks are parked together (``_park``), any other goes its way on
-        its own.
+        deliveries the policy parks are parked together (``_park``).
         """
+        await self._route(
+            [
+                (
+                    self._failed_delivery(message, envelope.delivery, envelope, exc),
+                    FailureFacts.of(
+                        envelope.delivery, self.policy, opened=True, database_answers=True
+                    ),
+                    exc,
+                )
+                for message, envelope, exc in failures
+            ]
+        )
+
+    async def _route(
+        self, failures: Sequence[tuple[FailedDelivery, FailureFacts, Exception]]
+    ) -> None:
+        """Decide for each (failed delivery, facts, error); park those the policy parks
+        together, then send each other one its way on its own."""
         to_park: list[tuple[FailedDelivery, Park]] = []
-        for message, envelope, exc in failures:
-            delivery = envelope.delivery
-            facts = FailureFacts.of(delivery, self.policy, opened=True, database_answers=True)
-            failed = self._failed_delivery(message, delivery, envelope, exc)
+        elsewhere: list[tuple[FailedDelivery, Decision, Exception]] = []
+        for failed, facts, exc in failures:
             decision = decide(exc, facts, self.policy)
             if isinstance(decision, Park):
                 to_park.append(self._to_park(failed, decision, exc))
             else:
-                with failed.logged():
-                    await self._carry_out(failed, decision, exc)
+                elsewhere.append((failed, decision, exc))
         await self._park(to_park)
+        for failed, decision, exc in elsewhere:
+            with failed.logged():
+                await self._carry_out(failed, decision, exc)
 
     def _failed_delivery(
         self,
@@ -207,7 +237,12 @@ class Failures:
         copied = await self.copies.publish(
             [
                 self.copies.dlq_copy(
-                    failed.message, failed.envelope, failed.failure, park.reason, record
+                    failed.message,
+                    failed.envelope,
+                    failed.failure,
+                    park.reason,
+                    record,
+                    paces=park.paces,
                 )
                 for (failed, park), record in zip(to_park, records, strict=True)
             ]
@@ -223,7 +258,7 @@ class Failures:
         await self._commit_failed_keys([f for f, park, _ in parked if _records_key(f, park)])
         crash_point(FAILURES_RECORDED, len(parked))
         for failed, park, record in parked:
-            self.streak.dead_lettered(failed.failure.handler, park.reason)
+            self.streak.dead_lettered(failed.failure.handler, park.reason, paces=park.paces)
             with failed.logged():
                 log.warning(
                     "dead-lettered message %s (routing key %r) as parking %s "

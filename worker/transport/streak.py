@@ -3,8 +3,8 @@ after ``failure_throttle_after`` of them the consumer takes one message at a tim
 ``failure_throttle_delay`` apart, until one succeeds.
 
 Invariant: every dead letter is counted here once; only those that are a sign of a broken handler
-count toward the throttle (one taken out of a batch whose other messages just committed,
-``beside_successes``, does not).
+count toward the throttle: a handler's failure (``core.policy.Park.paces``), and not one taken
+out of a batch whose other messages just committed (``beside_successes``).
 """
 
 from __future__ import annotations
@@ -53,18 +53,20 @@ class DeadLetterStreak:
         finally:
             self._beside_successes -= 1
 
-    def dead_lettered(self, handler: str | None, reason: Reason) -> None:
-        """Count one delivery of ``handler`` dead-lettered for ``reason`` (``Tally.record``), and
-        one more dead letter in a row; slow down when there are too many."""
+    def dead_lettered(self, handler: str | None, reason: Reason, *, paces: bool) -> None:
+        """Count one delivery of ``handler`` dead-lettered for ``reason`` (``Tally.record``), and,
+        when it ``paces`` (its handler failed), one more dead letter in a row; slow down when
+        there are too many."""
         self.telemetry.tally.record(handler, Outcome.DEAD_LETTERED, reason)
-        if self._beside_successes:
+        if self._beside_successes or not paces:
             return
         self._in_a_row += 1
         if self._in_a_row == self.settings.failure_throttle_after:
             self.telemetry.throttled(True)
             log.error(
-                "%d messages in a row were dead-lettered: taking one message at a time, %s "
-                "apart, until one succeeds (a handler bug or a bad deployment? see the DLQ)",
+                "%d messages in a row failed in their handler and were dead-lettered: taking one "
+                "message at a time, %s apart, until one succeeds (a handler bug or a bad "
+                "deployment? see the DLQ)",
                 self._in_a_row,
                 format_duration(self.settings.failure_throttle_delay),
             )
