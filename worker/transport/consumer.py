@@ -26,7 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import backoff, logs, tracing
 from worker.backoff import first
 from worker.core import unit_of_work
-from worker.core.batches import after_commit, checked, grouped
+from worker.core.batches import after_commit, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     ROUTING_KEY_HEADER,
@@ -34,6 +34,7 @@ from worker.core.envelope import (
     Envelope,
     open_envelope,
 )
+from worker.core.offload import checked_off_loop
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
 from worker.errors import (
@@ -295,7 +296,8 @@ class Consumer:
         if self.paused:
             await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
-        check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
+        deliveries = [(m, delivery_from_amqp(m)) for m in messages]
+        check = await checked_off_loop(deliveries, self._open)
         split = grouped(check.opened)
         if split.together:
             await self._process_together(split.together)
@@ -375,6 +377,7 @@ class Consumer:
             self.router,
             max_body_bytes=self.settings.max_body_bytes,
             max_depth=self.settings.max_json_depth,
+            max_items=self.settings.max_json_items,
         )
 
     async def _process_alone(self, message: Received, envelope: Envelope) -> None:
