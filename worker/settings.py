@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from worker import redaction
-from worker.core.codec import DEFAULT_MAX_DEPTH
+from worker.core.codec import DEFAULT_MAX_DEPTH, DEFAULT_MAX_ITEMS
 from worker.errors import ConfigurationError
 
 ENV_PREFIX = "WORKER_"
@@ -428,6 +428,13 @@ class Settings:
         Group.LIMITS,
         "bodies nesting JSON arrays and objects deeper are dead-lettered as `body-too-deep` "
         "(refused by the ingress), before they are parsed",
+    )
+    max_json_items: int = setting(
+        DEFAULT_MAX_ITEMS,
+        positive_int,
+        Group.LIMITS,
+        "bodies whose JSON arrays and objects hold more members and elements in all are "
+        "dead-lettered as `body-too-large` (refused by the ingress, 413), before they are parsed",
     )
     failure_throttle_after: int = setting(
         20,

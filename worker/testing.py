@@ -228,6 +228,7 @@ class Harness:
         exchange: str = "events",
         max_body_bytes: int = Settings.max_body_bytes,
         max_json_depth: int = Settings.max_json_depth,
+        max_json_items: int = Settings.max_json_items,
         workflow_lease: float = Settings.workflow_lease,
         transient_attempts: int = 1,
         retry_delays: tuple[float, ...] = Settings.retry_delays,
@@ -237,6 +238,7 @@ class Harness:
         self.exchange = exchange
         self.max_body_bytes = max_body_bytes
         self.max_json_depth = max_json_depth
+        self.max_json_items = max_json_items
         self.workflow_lease = workflow_lease
         self.transient_attempts = transient_attempts
         self.policy = PolicySettings.of(
@@ -252,7 +254,7 @@ class Harness:
 
     @classmethod
     def from_settings(cls, router: Router, engine: AsyncEngine, settings: Settings) -> Harness:
-        """A harness with the worker's exchange, body and depth limits, workflow lease,
+        """A harness with the worker's exchange, body, depth and item limits, workflow lease,
         in-process tries and delayed retries from ``settings``."""
         return cls(
             router,
@@ -260,6 +262,7 @@ class Harness:
             exchange=settings.exchange,
             max_body_bytes=settings.max_body_bytes,
             max_json_depth=settings.max_json_depth,
+            max_json_items=settings.max_json_items,
             workflow_lease=settings.workflow_lease,
             transient_attempts=settings.transient_attempts,
             retry_delays=settings.retry_delays,
@@ -389,6 +392,7 @@ class Harness:
             self.router,
             max_body_bytes=self.max_body_bytes,
             max_depth=self.max_json_depth,
+            max_items=self.max_json_items,
         )
 
     @property

@@ -239,8 +239,13 @@ async def test_a_listed_routing_key_no_handler_serves_stops_the_ingress_at_start
         (b'{"payment_id": "p1"', 400, "undecodable"),
         (b"\xff\xfe{}", 400, "undecodable"),
         (b"[" * 65 + b"]" * 65, 400, "body-too-deep"),
+        (
+            json.dumps(payment("p1") | dict.fromkeys(map(str, range(10_000)), 1)).encode(),
+            413,
+            "body-too-large",
+        ),
     ],
-    ids=["invalid", "not-json", "not-utf8", "too-deep"],
+    ids=["invalid", "not-json", "not-utf8", "too-deep", "too-many-names"],
 )
 async def test_a_body_the_consumer_would_park_is_refused_before_anything_is_stored(
     settings: Settings, engine: AsyncEngine, body: bytes, status: int, reason: str

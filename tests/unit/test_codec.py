@@ -9,8 +9,16 @@ import uuid
 import pytest
 from pydantic import BaseModel
 
-from worker.core.codec import canonical_json, decode_json, encode_json, fingerprint
-from worker.errors import UndecodableBody
+from worker.core.codec import (
+    canonical_json,
+    check_shape,
+    decode_fingerprinted,
+    decode_json,
+    encode_json,
+    fingerprint,
+    outside_strings,
+)
+from worker.errors import BodyTooDeep, BodyTooLarge, UndecodableBody
 
 
 def test_decode_json_returns_the_value() -> None:
@@ -134,3 +142,52 @@ def test_encode_json_refuses_a_float_json_cannot_hold(value: object) -> None:
 )
 def test_encode_json_round_trips_words_in_strings_and_edge_numbers(value: object) -> None:
     assert json.loads(encode_json(value)) == value
+
+
+def wide_object(names: int) -> bytes:
+    return json.dumps({f"k{i:05d}": 1 for i in range(names)}).encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "items"),
+    [
+        (b'{"a": 1, "b": [1, 2, 3]}', 5),  # a, b, and three elements: the count is exact
+        (b"[[], {}]", 4),  # an empty array or object counts one
+        (b'["a,b,c", "[{"]', 2),  # commas and brackets in strings are text, not items
+    ],
+)
+def test_check_shape_counts_members_and_elements_outside_strings(body: bytes, items: int) -> None:
+    check_shape(body, max_depth=64, max_items=items)
+    with pytest.raises(BodyTooLarge, match=f"holds {items} members and elements"):
+        check_shape(body, max_depth=64, max_items=items - 1)
+
+
+def test_a_body_of_too_many_names_is_refused_before_it_is_parsed() -> None:
+    body = wide_object(80_000)
+    with pytest.raises(BodyTooLarge, match=r"the limit is 10000 \(max_json_items\)"):
+        decode_fingerprinted(body)
+    assert decode_json(body, max_items=80_000)["k79999"] == 1
+
+
+def test_depth_is_decided_before_the_item_count() -> None:
+    with pytest.raises(BodyTooDeep):
+        check_shape(b"[" * 100 + b"]" * 100, max_depth=64, max_items=10)
+
+
+def test_a_string_full_of_commas_is_one_item() -> None:
+    body = json.dumps({"text": "," * 50_000}).encode()
+    assert decode_json(body, max_items=1) == {"text": "," * 50_000}
+
+
+@pytest.mark.parametrize(
+    ("body", "outside"),
+    [
+        (rb'{"a": [1, "x"]}', rb"{: [1, ]}"),
+        (rb'["q\"[", 1]', rb"[, 1]"),  # an escaped quote does not end the string
+        (rb'["back\\", [2]]', rb"[, [2]]"),  # an escaped backslash does not escape the quote
+        (rb'["\\\"{", 3]', rb"[, 3]"),
+        (rb'[1, "open [[[', rb"[1, "),  # a string left open runs to the end
+    ],
+)
+def test_outside_strings_drops_every_string_and_only_them(body: bytes, outside: bytes) -> None:
+    assert outside_strings(body) == outside

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic_core import to_json, to_jsonable_python
 
-from worker.errors import BodyTooDeep, UndecodableBody
+from worker.errors import BodyTooDeep, BodyTooLarge, UndecodableBody
 
 JSON_CONTENT_TYPE = "application/json"
 
@@ -23,8 +23,11 @@ DEFAULT_MAX_DEPTH = 64
 for any business document, far below the depth where Python's JSON encoder and pydantic recurse
 out of stack."""
 
-_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
-"""A JSON string, or an unterminated one running to the end of the body."""
+DEFAULT_MAX_ITEMS = 10_000
+"""How many members and elements a body's objects and arrays may hold in all
+(``max_json_items``' default): the cost of decoding and fingerprinting a body grows with them
+(80,000 names in 870 KB take a few hundred milliseconds of one core), not with its bytes."""
+
 _BRACKET = re.compile(rb"[\[\]{}]")
 
 
@@ -68,8 +71,43 @@ def nesting_depth_exceeds(body: bytes, limit: int) -> bool:
     """
     if body.count(b"[") + body.count(b"{") <= limit:
         return False
+    return _deeper(outside_strings(body), limit)
+
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string, or an unterminated one running to the end of the body."""
+
+_CHUNK = 64 * 1024
+"""Bytes one C call of ``outside_strings`` takes at a time, so that the thread that checks a
+large body lets the event loop run between them (a call holds the GIL)."""
+
+
+def outside_strings(body: bytes) -> bytes:
+    """``body`` without its JSON strings (one left open runs to the end), as a scan from the
+    start sees them: outside a string every byte stands for itself, inside one a backslash
+    escapes the next byte. Without a backslash every quote opens or closes a string, so the body
+    is split at its quotes a chunk at a time; with one, each string is matched in turn. No call
+    holds the GIL for longer than a chunk or a string takes."""
+    if b"\\" not in body:
+        kept: list[bytes] = []
+        inside = False
+        for start in range(0, len(body), _CHUNK):
+            pieces = body[start : start + _CHUNK].split(b'"')
+            kept.extend(pieces[1 if inside else 0 :: 2])
+            inside ^= len(pieces) % 2 == 0  # an odd number of quotes in the chunk
+        return b"".join(kept)
+    parts: list[bytes] = []
+    end = 0
+    for string in _JSON_STRING.finditer(body):
+        parts.append(body[end : string.start()])
+        end = string.end()
+    parts.append(body[end:])
+    return b"".join(parts)
+
+
+def _deeper(outside_strings: bytes, limit: int) -> bool:
     depth = 0
-    for bracket in _BRACKET.finditer(_JSON_STRING.sub(b"", body)):
+    for bracket in _BRACKET.finditer(outside_strings):
         if bracket.group() in (b"[", b"{"):
             depth += 1
             if depth > limit:
@@ -79,33 +117,80 @@ def nesting_depth_exceeds(body: bytes, limit: int) -> bool:
     return False
 
 
+def _items(text: bytes) -> int:
+    """Members and elements in ``text`` (the body outside its strings) at most: each but the
+    first of an array or object follows a comma, the first its opening bracket."""
+    return text.count(b",") + text.count(b"[") + text.count(b"{")
+
+
+def check_shape(body: bytes, *, max_depth: int, max_items: int) -> None:
+    """Refuse, before anything is parsed, a body nesting arrays and objects deeper than
+    ``max_depth`` (``BodyTooDeep``) or holding more than ``max_items`` members and elements in
+    all (``BodyTooLarge``; counted outside strings by ``_items``, so an empty array counts
+    one). Linear in the body's size; a body whose bytes hold few enough brackets and commas
+    anywhere is decided without scanning it."""
+    opened = body.count(b"[") + body.count(b"{")
+    if opened <= max_depth and _items(body) <= max_items:
+        return
+    outside = outside_strings(body)
+    if opened > max_depth and _deeper(outside, max_depth):
+        raise BodyTooDeep(f"body nests arrays and objects deeper than {max_depth} levels")
+    if (items := _items(outside)) > max_items:
+        raise BodyTooLarge(
+            f"body holds {items} members and elements; the limit is {max_items} (max_json_items)"
+        )
+
+
 def decode_json(
-    body: bytes, content_type: str | None = None, *, max_depth: int = DEFAULT_MAX_DEPTH
+    body: bytes,
+    content_type: str | None = None,
+    *,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_items: int = DEFAULT_MAX_ITEMS,
 ) -> Any:
     """The JSON value in ``body``; raises ``UndecodableBody`` saying why it is not one."""
-    return decode_fingerprinted(body, content_type, max_depth=max_depth)[0]
+    return decode_canonical(body, content_type, max_depth=max_depth, max_items=max_items)[0]
 
 
 def decode_fingerprinted(
-    body: bytes, content_type: str | None = None, *, max_depth: int = DEFAULT_MAX_DEPTH
+    body: bytes,
+    content_type: str | None = None,
+    *,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_items: int = DEFAULT_MAX_ITEMS,
 ) -> tuple[Any, bytes]:
-    """The JSON value in ``body`` and its ``fingerprint``, from one canonical encoding; raises
-    ``UndecodableBody`` saying why it is not JSON, ``BodyTooDeep`` (before parsing) when it
-    nests deeper than ``max_depth``."""
+    """The JSON value in ``body`` and its ``fingerprint``, from one canonical encoding (see
+    ``decode_canonical``)."""
+    value, canonical = decode_canonical(
+        body, content_type, max_depth=max_depth, max_items=max_items
+    )
+    return value, canonical_fingerprint(canonical)
+
+
+def decode_canonical(
+    body: bytes,
+    content_type: str | None = None,
+    *,
+    max_depth: int = DEFAULT_MAX_DEPTH,
+    max_items: int = DEFAULT_MAX_ITEMS,
+) -> tuple[Any, bytes]:
+    """The JSON value in ``body`` and its ``canonical_json``, each made once; raises
+    ``UndecodableBody`` saying why it is not JSON, ``BodyTooDeep`` or ``BodyTooLarge`` (before
+    parsing) when it nests deeper than ``max_depth`` or holds more than ``max_items`` members
+    and elements (``check_shape``)."""
     if not is_json_content_type(content_type):
         raise UndecodableBody(f"unsupported content type {content_type!r}; expected JSON")
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise UndecodableBody(f"body is not UTF-8: {exc}") from exc
-    if nesting_depth_exceeds(body, max_depth):
-        raise BodyTooDeep(f"body nests arrays and objects deeper than {max_depth} levels")
+    check_shape(body, max_depth=max_depth, max_items=max_items)
     try:
         value = _DECODER.decode(text)
     except (ValueError, RecursionError) as exc:
         raise UndecodableBody(f"body is not JSON: {exc}") from exc
     try:
-        return value, fingerprint(value)
+        return value, canonical_json(value)
     except UnicodeEncodeError as exc:
         # an escaped lone surrogate ("\ud800") is valid JSON syntax but not a character
         raise UndecodableBody(f"body is not JSON text: {exc.reason} in a string") from exc
@@ -135,7 +220,12 @@ def canonical_json(value: Any) -> bytes:
 
 def fingerprint(value: Any) -> bytes:
     """SHA-256 digest of ``value``'s canonical JSON encoding."""
-    return hashlib.sha256(canonical_json(value)).digest()
+    return canonical_fingerprint(canonical_json(value))
+
+
+def canonical_fingerprint(canonical: bytes) -> bytes:
+    """The ``fingerprint`` of the value whose ``canonical_json`` is ``canonical``."""
+    return hashlib.sha256(canonical).digest()
 
 
 def encode_json(value: Any) -> bytes:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from worker.core.codec import DEFAULT_MAX_DEPTH, decode_fingerprinted
+from worker.core.codec import DEFAULT_MAX_DEPTH, DEFAULT_MAX_ITEMS, decode_fingerprinted
 from worker.core.handler import Handler, Handlers
 from worker.errors import (
     BodyTooLarge,
@@ -164,9 +164,13 @@ def open_envelope(
     *,
     max_body_bytes: int,
     max_depth: int = DEFAULT_MAX_DEPTH,
+    max_items: int = DEFAULT_MAX_ITEMS,
+    decoded: tuple[Any, bytes] | None = None,
 ) -> Envelope:
-    """Check ``delivery`` in order: size, routing, key, properties, JSON (its nesting depth
-    first), validation; the first failure wins."""
+    """Check ``delivery`` in order: size, routing, key, properties, JSON (its nesting depth and
+    item count first), validation; the first failure wins. ``decoded``: the body's value and
+    fingerprint, when the caller made the body from that very value (the ingress's canonical
+    body), which is then not decoded again."""
     if len(delivery.body) > max_body_bytes:
         raise BodyTooLarge(f"body has {len(delivery.body)} bytes; the limit is {max_body_bytes}")
     handler = router.find(delivery.routing_key)
@@ -174,6 +178,8 @@ def open_envelope(
         raise NoHandler(f"no handler for routing key {delivery.routing_key!r}")
     key = idempotency_key(delivery)
     check_properties(delivery)
-    value, digest = decode_fingerprinted(delivery.body, delivery.content_type, max_depth=max_depth)
+    value, digest = decoded or decode_fingerprinted(
+        delivery.body, delivery.content_type, max_depth=max_depth, max_items=max_items
+    )
     payload = handler.validate(value)
     return Envelope(delivery, handler, key, payload, digest)

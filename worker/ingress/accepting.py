@@ -47,7 +47,7 @@ async def accept(
     or when the inbox already holds the envelope's key (a message that did not come through the
     ingress took it: its event would be parked as a reused key).
 
-    The envelope is the one ``read_delivery`` made: its key is ``client``'s ``handler_key`` and its
+    The envelope is the one ``read_envelope`` made: its key is ``client``'s ``handler_key`` and its
     body the canonical JSON the consumer will decode to the very value fingerprinted here (within
     the consumer's ``max_body_bytes``, which ``open_envelope`` checked); that body is the event's.
     """

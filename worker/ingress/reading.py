@@ -9,26 +9,38 @@ layer), and a request carrying two of them is refused rather than one picked.
 
 The delivery carries what the event will: the key in the ingress's own key space
 (``handler_key``: ``http:<client>:<key>``, so that no HTTP client can take, park or read a key
-sent over AMQP, nor another client's), and the body as its canonical JSON (``canonical_body``:
-the one value the handler validated, whatever duplicate names, spacing or escapes the client sent).
+sent over AMQP, nor another client's), and the body as its canonical JSON (``open_posted``:
+the one value the handler validated, whatever duplicate names, spacing or escapes the client sent),
+decoded once, off the event loop when it is large.
 """
 
 from __future__ import annotations
 
+import functools
+
 from starlette.requests import Request
 
-from worker.core.codec import JSON_CONTENT_TYPE, canonical_json, decode_json, is_json_content_type
+from worker.core.codec import (
+    JSON_CONTENT_TYPE,
+    canonical_fingerprint,
+    decode_canonical,
+    is_json_content_type,
+)
 from worker.core.envelope import (
     IDEMPOTENCY_KEY_HEADER,
     MAX_KEY_LENGTH,
     Delivery,
+    Envelope,
     check_key,
     idempotency_key,
+    open_envelope,
 )
+from worker.core.handler import Handlers
 from worker.core.keyspace import HTTP_KEY_PREFIX
+from worker.core.offload import checked_by_size
 from worker.errors import BodyTooLarge, InvalidKey, MissingKey
 from worker.ingress.problems import unsupported_media_type
-from worker.settings import MAX_CLIENT_NAME_LENGTH
+from worker.settings import MAX_CLIENT_NAME_LENGTH, Settings
 
 _KEY_HEADER = IDEMPOTENCY_KEY_HEADER.encode("latin-1")
 
@@ -98,26 +110,48 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def canonical_body(body: bytes, content_type: str, *, max_depth: int) -> bytes:
-    """``body``'s JSON value in its canonical encoding (``codec.canonical_json``): one value per
-    name (the last of duplicates, the one the handler validates), no insignificant whitespace, no
-    needless escapes; ``UndecodableBody`` or ``BodyTooDeep`` as the consumer would say."""
-    return canonical_json(decode_json(body, content_type, max_depth=max_depth))
-
-
-async def read_delivery(
-    request: Request, routing_key: str, key: str, *, max_body_bytes: int, max_depth: int
-) -> Delivery:
-    """The posted message as the consumer's ``Delivery`` for the event to append: its routing
-    key, ``key`` (the client's ``handler_key``, from its checked ``client_key``), and its body,
-    read within the limit, in its canonical JSON. The content type is checked before the body
-    is read. (The canonical form may be longer than the body sent, ``1E2`` being ``100.0``: the
-    consumer's size check, made on the delivery, refuses one that would pass the limit.)"""
-    content_type = json_content_type(request)
-    body = await read_body(request, max_body_bytes)
-    return Delivery(
-        canonical_body(body, content_type, max_depth=max_depth),
+def open_posted(
+    body: bytes,
+    content_type: str,
+    router: Handlers,
+    routing_key: str,
+    key: str,
+    settings: Settings,
+) -> Envelope:
+    """The posted ``body`` as the consumer's envelope of the event to append: its routing key,
+    ``key`` (the client's ``handler_key``), and as its body the canonical JSON of the value
+    (``codec.canonical_json``: one value per name, the last of duplicates, no insignificant
+    whitespace, no needless escapes), checked by the consumer's own ``open_envelope``. The body
+    is decoded and encoded once: the canonical form is the event's body and what its fingerprint
+    hashes. (It may be longer than the body sent, ``1E2`` being ``100.0``: the size check, made
+    on the delivery, refuses one that would pass the limit.)"""
+    value, canonical = decode_canonical(
+        body, content_type, max_depth=settings.max_json_depth, max_items=settings.max_json_items
+    )
+    delivery = Delivery(
+        canonical,
         routing_key,
         headers={IDEMPOTENCY_KEY_HEADER: key},
         content_type=JSON_CONTENT_TYPE,
+    )
+    return open_envelope(
+        delivery,
+        router,
+        max_body_bytes=settings.max_body_bytes,
+        max_depth=settings.max_json_depth,
+        max_items=settings.max_json_items,
+        decoded=(value, canonical_fingerprint(canonical)),
+    )
+
+
+async def read_envelope(
+    request: Request, router: Handlers, routing_key: str, key: str, settings: Settings
+) -> Envelope:
+    """The posted message, read within ``max_body_bytes`` after its content type was checked,
+    as ``open_posted`` makes it: on the event loop for a small body, in the decoding thread
+    for a large one (``offload.checked_by_size``)."""
+    content_type = json_content_type(request)
+    body = await read_body(request, settings.max_body_bytes)
+    return await checked_by_size(
+        body, functools.partial(open_posted, body, content_type, router, routing_key, key, settings)
     )

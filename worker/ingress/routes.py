@@ -29,7 +29,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from worker import logs
-from worker.core.envelope import open_envelope
 from worker.core.handler import Handler
 from worker.core.keyspace import handler_key
 from worker.core.router import Router
@@ -43,7 +42,7 @@ from worker.ingress.problems import (
     unavailable,
     unknown_message,
 )
-from worker.ingress.reading import check_client_key, client_key, read_delivery
+from worker.ingress.reading import check_client_key, client_key, read_envelope
 from worker.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -181,18 +180,8 @@ def _post(
         try:
             client = tokens.check(request)
             key = addressable(client_key(request, handler.routing_key))
-            delivery = await read_delivery(
-                request,
-                handler.routing_key,
-                handler_key(client, key),
-                max_body_bytes=settings.max_body_bytes,
-                max_depth=settings.max_json_depth,
-            )
-            envelope = open_envelope(
-                delivery,
-                router,
-                max_body_bytes=settings.max_body_bytes,
-                max_depth=settings.max_json_depth,
+            envelope = await read_envelope(
+                request, router, handler.routing_key, handler_key(client, key), settings
             )
             accepted = await accept(engine, envelope, client, key, exchange=settings.exchange)
         except Exception as exc:

@@ -28,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 from worker import backoff, logs, tracing
 from worker.backoff import first
 from worker.core import keyspace, unit_of_work
-from worker.core.batches import after_commit, checked, grouped
+from worker.core.batches import after_commit, grouped
 from worker.core.config import UnitOfWorkConfig
 from worker.core.envelope import (
     ROUTING_KEY_HEADER,
@@ -36,6 +36,7 @@ from worker.core.envelope import (
     Envelope,
     open_envelope,
 )
+from worker.core.offload import checked_off_loop
 from worker.core.outcomes import Outcome
 from worker.core.router import Router
 from worker.errors import (
@@ -314,7 +315,8 @@ class Consumer:
         if self.paused:
             await self.copies.requeue_all([(m, self._handler_name(m)) for m in messages])
             return
-        check = checked([(m, delivery_from_amqp(m)) for m in messages], self._open)
+        deliveries = [(m, delivery_from_amqp(m)) for m in messages]
+        check = await checked_off_loop(deliveries, self._open)
         opened, refused = await self._in_own_key_space(check.opened)
         split = grouped(opened)
         rejected = [*check.rejected, *((m, e.delivery, exc) for m, e, exc in refused.reserved)]
@@ -420,6 +422,7 @@ class Consumer:
             self.router,
             max_body_bytes=self.settings.max_body_bytes,
             max_depth=self.settings.max_json_depth,
+            max_items=self.settings.max_json_items,
         )
 
     async def _process_alone(self, message: Received, envelope: Envelope) -> None:
