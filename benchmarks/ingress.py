@@ -494,6 +494,45 @@ async def slow_body_flood(pid: int, port: int, clients: int, declared: int) -> A
     return await attacked("slow bodies", pid, port, attack, answers, settle=3)
 
 
+WIDE_NAMES = 80_000
+"""Names of a wide body: about 870 KB, within ``max_body_bytes``, far past ``max_json_items``."""
+
+
+def wide_body(i: int) -> bytes:
+    """A valid payment with ``WIDE_NAMES`` names more."""
+    names = {f"k{n:05d}": 1 for n in range(WIDE_NAMES)}
+    return json.dumps(body_of("wide", i) | names, separators=(",", ":")).encode()
+
+
+async def wide_body_flood(pid: int, port: int, clients: int) -> AttackFigures:
+    """``clients`` clients each POSTing wide bodies back to back while /healthz is probed: the
+    cost of a body is its decoding, which must never hold the event loop."""
+    body = wide_body(0)
+    statuses: Counter[str] = Counter()
+    stop = asyncio.Event()
+
+    async def client(n: int) -> None:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=60) as http:
+            i = 0
+            while not stop.is_set():
+                headers = {"content-type": "application/json", "idempotency-key": f"w{n}-{i}"}
+                answer = await http.post(PATH, content=body, headers=headers)
+                statuses[str(answer.status_code)] += 1
+                i += 1
+
+    async def attack() -> Streams:
+        return []
+
+    async def outcome(_: Streams) -> dict[str, int]:
+        stop.set()
+        await asyncio.gather(*senders)
+        return dict(statuses)
+
+    senders = [asyncio.create_task(client(n)) for n in range(clients)]
+    await asyncio.sleep(0.5)  # the bodies are on their way
+    return await attacked("wide bodies", pid, port, attack(), outcome, settle=1)
+
+
 async def attacks(settings: Settings, connections: int, slow_clients: int) -> list[AttackFigures]:
     """Both attacks against ``worker serve`` in a process of its own, at its default bounds."""
     with tempfile.TemporaryDirectory() as directory:
@@ -506,10 +545,26 @@ async def attacks(settings: Settings, connections: int, slow_clients: int) -> li
             idle = await idle_flood(process.pid, port, connections)
             progress(f"(attacks) {slow_clients} slow 1 MiB bodies ...")
             slow = await slow_body_flood(process.pid, port, slow_clients, settings.max_body_bytes)
+            progress(f"(attacks) {WIDE_CLIENTS} clients posting {WIDE_NAMES:,}-name bodies ...")
+            idle_probes = await attacked("idle", process.pid, port, _nothing(), _none, settle=0)
+            wide = await wide_body_flood(process.pid, port, WIDE_CLIENTS)
         finally:
             process.terminate()
             await asyncio.to_thread(process.wait, 30)
-    return [idle, slow]
+    return [idle, slow, idle_probes, wide]
+
+
+WIDE_CLIENTS = 2
+"""Clients posting wide bodies at once (two took /healthz to 10-22 s before bodies were checked
+off the event loop)."""
+
+
+async def _nothing() -> Streams:
+    return []
+
+
+async def _none(_: Streams) -> dict[str, int]:
+    return {}
 
 
 def attack_report(figures: list[AttackFigures]) -> str:
