@@ -102,16 +102,24 @@ class Orphan:
     gone: bool
 
 
+ORPHANED = f"""status = 'in_progress' AND owner IS NOT NULL AND lease_until <= now()
+  AND (substring(owner from '{TOKEN_PATTERN}') IS NULL OR {owner_gone("owner")})"""
+"""An inbox row's condition of an orphaned workflow (``Orphan``)."""
+
+ORPHAN_COLUMNS = f"handler, key, recovery_point, owner, lease_until, {owner_gone('owner')}"
+
 ORPHANS = f"""
-SELECT handler, key, recovery_point, owner, lease_until, {owner_gone("owner")} AS gone,
-       count(*) OVER () AS total
+SELECT {ORPHAN_COLUMNS}, count(*) OVER () AS total
 FROM inbox
-WHERE status = 'in_progress' AND owner IS NOT NULL AND lease_until <= now()
-  AND (substring(owner from '{TOKEN_PATTERN}') IS NULL OR {owner_gone("owner")})
+WHERE {ORPHANED}
 ORDER BY updated_at, handler, key
 LIMIT $1
 """
 """The ``$1`` least recently advanced orphaned workflows, and how many there are."""
+
+ORPHAN = f"""
+SELECT {ORPHAN_COLUMNS} FROM inbox WHERE handler = $1 AND key = $2 AND {ORPHANED}
+"""
 
 
 async def orphaned_workflows(conn: Connection, limit: int) -> tuple[int, list[Orphan]]:
@@ -122,8 +130,18 @@ async def orphaned_workflows(conn: Connection, limit: int) -> tuple[int, list[Or
     return (int(rows[0]["total"]) if rows else 0), [Orphan(*row[:6]) for row in rows]
 
 
+async def orphan(conn: Connection, handler: str, key: str) -> Orphan | None:
+    """The workflow (``handler``, ``key``) if it is orphaned, by its primary key; else None."""
+    driver = await in_transaction(conn)
+    row = await driver.fetchrow(ORPHAN, handler, key)
+    return None if row is None else Orphan(*row)
+
+
 OWNER_STATE = f"""
-SELECT status, owner, lease_until > now() AND NOT {owner_gone("owner")} AS alive
+SELECT status, owner,
+       owner IS NOT NULL AND CASE WHEN substring(owner from '{TOKEN_PATTERN}') IS NULL
+                                  THEN lease_until > now()
+                                  ELSE NOT {owner_gone("owner")} END AS alive
 FROM inbox WHERE handler = $1 AND key = $2
 FOR UPDATE
 """
@@ -131,7 +149,8 @@ FOR UPDATE
 
 @dataclass(frozen=True)
 class OwnerState:
-    """A key's status and owner, and whether that owner is alive (a live lease, a held token)."""
+    """A key's status and owner, and whether that owner is alive: its token's lock held (its
+    lease may have run out in a long step), or for an owner of another form, its lease."""
 
     status: str
     owner: str | None
