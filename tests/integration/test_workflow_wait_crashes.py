@@ -72,6 +72,9 @@ CRASHES = [
     Crash(AFTER_STEP + "refund_payment", EXPIRE),
     Crash(BEFORE_COMMIT + "cancel_order", EXPIRE),
     Crash(AFTER_STEP + "cancel_order", EXPIRE),
+    # the timer's delivery (the second message the worker takes) committed the cancelled
+    # result and died before its ack: the redelivered timer finds the key completed
+    Crash(faults.CONSUMER_AFTER_COMMIT + "@2", EXPIRE),
     # the relay published order.shipped (1) and the timer (2), and died before deleting the timer
     Crash(faults.RELAY_AFTER_PUBLISH + "@2", EXPIRE, process="relay"),
 ]
