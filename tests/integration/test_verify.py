@@ -32,6 +32,7 @@ from worker.transport.topology import declare_topology
 WORKER_CHECKS = {
     "no-stuck-inbox-keys",
     "no-stuck-workflows",
+    "no-orphaned-workflows",
     "outbox-drained",
     "outbox-nothing-parked",
     "dead-letters",

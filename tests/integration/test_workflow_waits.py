@@ -35,6 +35,9 @@ from tests.integration.waiting_handlers import (
     router,
 )
 from worker import Router, Workflow
+from worker.core.envelope import IDEMPOTENCY_KEY_HEADER, Delivery
+from worker.core.ownership import Ownership
+from worker.core.signals import RESUME_HEADER as RESUME
 from worker.core.workflows import TIMER_HEADER, WorkflowBusy
 from worker.faults import (
     WORKFLOW_RESUMED_BEFORE_COMMIT,
@@ -43,7 +46,7 @@ from worker.faults import (
 )
 from worker.ops.janitor import sweep
 from worker.settings import Settings
-from worker.sql import inspection, outbox, waits
+from worker.sql import inspection, outbox, owners, waits
 from worker.testing import Harness
 
 HANDLERS = {"WORKER_HANDLERS": "tests.integration.waiting_handlers"}
@@ -536,33 +539,83 @@ async def test_a_wait_for_an_undeclared_signal_fails_the_workflow(engine: AsyncE
     assert await scalar(engine, "SELECT count(*) FROM workflow_waits") == 0
 
 
-async def test_a_timer_late_for_a_running_workflow_is_dropped_not_retried(
+async def test_a_timer_late_for_a_workflow_another_live_delivery_runs_is_dropped_not_retried(
     engine: AsyncEngine,
 ) -> None:
     harness = Harness(router, engine)
     body = {"order_id": "t-1"}
 
-    # Given a workflow whose wait its signal resolved, now running in another delivery (its
-    # resume message took it over: a live owner and lease)
+    # Given a workflow whose wait its signal resolved, now run by another message (its resume
+    # message took it over) in a live process: its owner lock held, its lease running
     assert (await harness.deliver(ORDER, body, key="order-t-1")).outcome == "waiting"
     await harness.deliver(CONFIRMED, {"order_id": "t-1"}, key="c-t-1")
+    live = Ownership(engine)
+    async with live.held() as token:
+        await own(engine, "order-t-1", owners.owner_of(token, "resume-1", "run-1"))
+
+        # When the wait's timer comes anyway (published before the signal cancelled it)
+        late = await harness.deliver(
+            ORDER, body, key="order-t-1", message_id="timer-1", headers={TIMER_HEADER: "shipped"}
+        )
+
+        # Then it is acked as a duplicate: the live run carries the workflow on
+        assert late.outcome == "duplicate"
+
+        # While a redelivery of the owner's own message is retried (if the run dies, it is the
+        # one message that can carry the workflow on), as is any other delivery of the running
+        # workflow and a timer of a wait still open
+        with pytest.raises(WorkflowBusy):
+            await harness.handle(resume_of(body, "order-t-1", "resume-1", redelivered=True))
+        # (a second copy of the owner's message, published again, was never handed to it)
+        second = await harness.handle(resume_of(body, "order-t-1", "resume-1", redelivered=False))
+        assert second.outcome == "duplicate"
+        with pytest.raises(WorkflowBusy):
+            await harness.deliver(ORDER, body, key="order-t-1")
+        with pytest.raises(WorkflowBusy):
+            await harness.deliver(ORDER, body, key="order-t-1", headers={TIMER_HEADER: "other"})
+
+
+async def test_a_resume_redelivered_after_its_owner_died_takes_the_workflow_over_at_once(
+    engine: AsyncEngine,
+) -> None:
+    harness = Harness(router, engine)
+    body = {"order_id": "t-2"}
+
+    # Given a workflow its signal's resume message took over, in a process that then died
+    # (its owner lock gone with its session) with its lease still running for an hour
+    assert (await harness.deliver(ORDER, body, key="order-t-2")).outcome == "waiting"
+    await harness.deliver(CONFIRMED, {"order_id": "t-2"}, key="c-t-2")
+    dead = Ownership(engine)
+    async with dead.held() as token:
+        await own(engine, "order-t-2", owners.owner_of(token, "resume-2", "run-1"))
+
+    # When the broker redelivers that resume message, or the wait's timer comes
+    again = await harness.handle(resume_of(body, "order-t-2", "resume-2", redelivered=True))
+
+    # Then it takes the dead owner's workflow over and completes it, not dropped as a duplicate
+    assert again.outcome == "processed"
+    assert await scalar(engine, "SELECT status FROM inbox WHERE key = 'order-t-2'") == "completed"
+
+
+def resume_of(body: Any, key: str, message_id: str, *, redelivered: bool) -> Delivery:
+    """The resume message of the order's wait ``shipped``, as the broker hands it over."""
+    return Delivery(
+        body=json.dumps(body).encode(),
+        routing_key=ORDER,
+        headers={IDEMPOTENCY_KEY_HEADER: key, RESUME: "shipped"},
+        message_id=message_id,
+        content_type="application/json",
+        redelivered=redelivered,
+    )
+
+
+async def own(engine: AsyncEngine, key: str, owner: str) -> None:
+    """Make ``owner`` the workflow's owner, its lease running for an hour."""
     async with engine.begin() as conn:
         await conn.execute(
             text(
-                "UPDATE inbox SET owner = 'resumed', lease_until = now() + interval '1 hour'"
-                " WHERE key = 'order-t-1'"
-            )
+                "UPDATE inbox SET owner = :owner, lease_until = now() + interval '1 hour'"
+                " WHERE key = :key"
+            ),
+            {"owner": owner, "key": key},
         )
-
-    # When the wait's timer comes anyway (published before the signal cancelled it)
-    late = await harness.deliver(ORDER, body, key="order-t-1", headers={TIMER_HEADER: "shipped"})
-
-    # Then it is acked as a duplicate: the resume message carries the workflow on
-    assert late.outcome == "duplicate"
-
-    # While any other delivery of the running workflow is retried (it may be what carries the
-    # workflow on: a redelivery of the owner's own), as is a timer of a wait still open
-    with pytest.raises(WorkflowBusy):
-        await harness.deliver(ORDER, body, key="order-t-1")
-    with pytest.raises(WorkflowBusy):
-        await harness.deliver(ORDER, body, key="order-t-1", headers={TIMER_HEADER: "other"})

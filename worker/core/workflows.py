@@ -8,8 +8,9 @@ on every re-run. A redelivery runs the handler again from the top, and every ste
 returns its stored output instead of running: a committed step never runs twice.
 
 Between steps the key is ``in_progress``, owned by one delivery (``owner``) until
-``lease_until``. Another delivery takes it over only by compare-and-set when the lease expired
-(its owner died) or was released (its owner failed); a live owner keeps it, and while a step's
+``lease_until``. Another delivery takes it over only by compare-and-set when the lease expired,
+was released (its owner failed) or its owner is dead (its process's owner lock is gone:
+``worker.core.ownership``); a live owner keeps it, and while a step's
 transaction runs, its row lock keeps even an expired lease from being taken (``SKIP LOCKED``). A
 delivery that finds the workflow owned raises ``WorkflowBusy``, a transient error: it is retried
 later, never run beside the owner.
@@ -43,10 +44,11 @@ from worker.core.context import Context
 from worker.core.envelope import Envelope
 from worker.core.events import Event, due
 from worker.core.outcomes import Outcome
+from worker.core.ownership import ownership
 from worker.core.signals import RESUME_HEADER, correlation_text
 from worker.errors import Rejected, Retryable, WorkerError, handler_failed, is_transient
 from worker.faults import WORKFLOW_TIMEOUT_BEFORE_COMMIT, WORKFLOW_WAIT_REGISTERED, crash_point
-from worker.sql import inbox, outbox, waits
+from worker.sql import inbox, outbox, owners, waits
 from worker.sql.driver import in_transaction
 from worker.sql.rows import OutboxMessage
 
@@ -315,24 +317,37 @@ def _forgotten(envelope: Envelope) -> bool:
 
 async def _obsolete_resume(conn: AsyncConnection, envelope: Envelope) -> bool:
     """Whether this delivery resumes a wait that is resolved already (a wait's timer, or the
-    message its signal published) while the workflow runs: then the delivery running it replays
-    past that wait and carries it on, and this one is dropped (acked as a duplicate) instead of
-    retried until a long run outlasts the retry chain and it is parked, marking the running
-    workflow's key failed. This is the timer that came after its signal won, or a second copy of
-    a resume (a publish repeated, or the signal's resume after the timer, published before the
-    signal cancelled it, took the workflow over). Any other delivery of a running workflow may be
-    what carries it on (a redelivery of the owner's own), so it is retried, as is a resume of a
-    wait still open."""
+    message its signal published) while a live run of another message owns the workflow: that
+    run replays past the wait and carries it on, and its own delivery stays unacked until it
+    ends (if it dies, its redelivery finds it dead and takes over), so this one is dropped (acked
+    as a duplicate) instead of retried until a long run outlasts the retry chain and it is
+    parked, marking the running workflow's key failed. This is the timer that came after its
+    signal won, or a second copy of a resume (a publish repeated, or the signal's resume after
+    the timer, published before the signal cancelled it, took the workflow over).
+
+    Every other delivery that finds the workflow owned is retried: a resume of a wait still
+    open, any delivery while the owner is dead but its row still locked (its session ending),
+    and a redelivery that may be the owner's own message (its channel closed under a live run:
+    redelivered, with the owner's message id), the one message that can carry the workflow on
+    if that run dies too. A copy published again (a relay's repeated publish) has the message
+    id of the one that runs, but is not redelivered: it is dropped."""
     name = _resumed_wait(envelope)
     if name is None:
         return False
-    state = await waits.find_wait(conn, envelope.handler.name, envelope.key, name)
+    handler, key = envelope.handler.name, envelope.key
+    state = await waits.find_wait(conn, handler, key, name)
     if state is None or state.outcome is None:
         return False
+    delivery = envelope.delivery
+    if not await owners.carried_by_another(
+        conn, handler, key, redelivered=delivery.redelivered, message_id=delivery.message_id
+    ):
+        return False
     log.info(
-        "resume of wait %s of workflow %s (resolved: %s) came while the workflow runs: dropped",
+        "resume of wait %s of workflow %s (resolved: %s) came while another delivery runs "
+        "the workflow: dropped",
         name,
-        envelope.key,
+        key,
         state.outcome,
     )
     return True
@@ -346,8 +361,16 @@ async def run(engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig)
     workflow. After a failed try the workflow is released at once, so that the retry need not
     wait for the lease; its committed steps stay committed.
     """
+    async with ownership(engine).held() as token:
+        owner = owners.owner_of(token, envelope.delivery.message_id, uuid.uuid4().hex)
+        return await _run(engine, envelope, config, owner)
+
+
+async def _run(
+    engine: AsyncEngine, envelope: Envelope, config: UnitOfWorkConfig, owner: str
+) -> Outcome:
+    """``run`` under ``owner``, whose process's owner lock is held."""
     handler = envelope.handler
-    owner = uuid.uuid4().hex
     lease = config.workflow_lease
     async with engine.connect() as conn, conn.begin() as transaction:
         existing = await claim(conn, envelope, owner=owner, lease=lease)

@@ -2,9 +2,10 @@
 
 Invariant: when every message has been handled and every event relayed, the state is what
 exactly-once effects and at-least-once events imply. No inbox key is stuck in progress (a unit
-of work never commits one; a workflow's is resumed once its lease expires); the outbox is drained;
-nothing is parked unless that is allowed; with ``quiet_queue``, no message waits in the work queue
-or a retry queue; and every invariant a handler module declares about its own tables holds.
+of work never commits one; a workflow's is resumed once its owner is dead or its lease expired);
+the outbox is drained; nothing is parked unless that is allowed; with ``quiet_queue``, no message
+waits in the work queue or a retry queue; and every invariant a handler module declares about its
+own tables holds.
 
 A handler module declares its invariants through the ``invariants`` hook (``plugins.hook``): a
 module-level list of async callables, in the module itself or in its ``invariants`` submodule
@@ -36,8 +37,9 @@ from worker.liveness import Liveness
 from worker.logs import describe_error
 from worker.ops import admin, plugins
 from worker.ops.dlq import list_parked
+from worker.ops.workflows import resume_command
 from worker.settings import Settings, format_duration
-from worker.sql import inspection
+from worker.sql import inspection, owners
 from worker.transport.connection import connect
 
 APPLICATION_NAME = "worker-verify"
@@ -285,6 +287,28 @@ async def no_stuck_workflows(deployment: Deployment) -> Check:
     )
 
 
+async def no_orphaned_workflows(deployment: Deployment) -> Check:
+    """No workflow held by a dead owner past its lease: its owner died without letting go (its
+    process's owner lock is gone, or cannot be told) and nothing took it over, though any of its
+    messages would have at once, so none is coming. Flagged at once, not after ``stuck_after``,
+    each with the command that resumes it."""
+    async with deployment.engine.begin() as conn:
+        total, orphans = await owners.orphaned_workflows(conn, SAMPLE)
+    if not total:
+        return Check("no-orphaned-workflows", True, "no workflow held by a dead owner")
+    names = [
+        f"{o.handler}/{o.key} (recovery point {o.recovery_point or '-'}, owner {o.owner} "
+        f"{'gone' if o.gone else 'not known alive'}, lease until {o.lease_until.isoformat()}; "
+        f"resume it: {resume_command(o.handler, o.key)})"
+        for o in orphans
+    ]
+    return Check(
+        "no-orphaned-workflows",
+        False,
+        f"{total} workflow(s) held by a dead owner, nothing resuming them: {sample(names, total)}",
+    )
+
+
 async def outbox_drained(deployment: Deployment) -> Check:
     """No outbox row older than ``max_outbox_age``: every committed event was published, or is
     younger than that (being relayed, or retried after a recent failure)."""
@@ -378,6 +402,7 @@ async def dead_letters(deployment: Deployment) -> Check:
 WORKER_INVARIANTS: tuple[Invariant, ...] = (
     no_stuck_inbox_keys,
     no_stuck_workflows,
+    no_orphaned_workflows,
     outbox_drained,
     outbox_nothing_parked,
     work_queue_empty,

@@ -14,6 +14,7 @@ from typing import Any
 
 from worker.core.codec import to_jsonable
 from worker.sql.driver import Connection, in_transaction
+from worker.sql.owners import owner_gone
 from worker.sql.rows import MAX_ATTEMPTS, InboxEntry, InboxKey, KeyClaim
 
 CLAIM_KEYS = """
@@ -205,11 +206,11 @@ async def clear_failure(conn: Connection, handler: str, key: str) -> bool:
     return await driver.fetchval(CLEAR_FAILURE, handler, key) is not None
 
 
-TAKE_OVER_WORKFLOW = """
+TAKE_OVER_WORKFLOW = f"""
 WITH free AS (
     SELECT handler, key FROM inbox
     WHERE handler = $1 AND key = $2 AND status = 'in_progress'
-      AND (owner IS NULL OR lease_until <= now())
+      AND (owner IS NULL OR lease_until <= now() OR {owner_gone("owner")})
     FOR UPDATE SKIP LOCKED
 )
 UPDATE inbox AS i
@@ -224,9 +225,10 @@ RETURNING i.key
 async def take_over_workflow(
     conn: Connection, handler: str, key: str, *, owner: str, lease: float
 ) -> bool:
-    """Make ``owner`` the owner of an in-progress workflow whose lease expired or was released.
+    """Make ``owner`` the owner of an in-progress workflow whose lease expired or was released,
+    or whose owner is dead (``owners.owner_gone``: its process's session is gone).
 
-    Compare-and-set: a workflow with a live lease, or one whose step transaction holds its row
+    Compare-and-set: a workflow with a live owner, or one whose step transaction holds its row
     right now (``SKIP LOCKED``), is left alone and False is returned.
     """
     driver = await in_transaction(conn)

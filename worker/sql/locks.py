@@ -27,5 +27,10 @@ HANDLER_TURNS = 7_262_005
 """Transaction-scoped, per handler name (``hashtext(name)``): a contended handler's batches take
 turns."""
 
-CLASSES = (ORDERING, JANITOR, CORRELATION, MOVER, HANDLER_TURNS)
+WORKFLOW_OWNERS = 7_262_006
+"""Session-level, per owning process (a random token, the first part of a workflow's ``owner``):
+held on a connection of its own while the process runs workflows, so a workflow whose owner's
+token is not held has a dead owner (``worker.sql.owners``)."""
+
+CLASSES = (ORDERING, JANITOR, CORRELATION, MOVER, HANDLER_TURNS, WORKFLOW_OWNERS)
 """Every first key above."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,36 +216,57 @@ async def resolve_by_signal(
         RESOLVE_BY_SIGNAL, routing_key, correlation, json.dumps(to_jsonable(event))
     )
     return [
-        ResolvedWait(
-            handler,
-            key,
-            name,
-            timer_id,
-            OutboxMessage(
-                message_id=uuid.uuid4(),
-                exchange=exchange,
-                routing_key=resume_key,
-                body=bytes(body),
-                content_type=content_type,
-                headers=json.loads(headers),
-                correlation_id=correlation_id,
-                causation_id=key,
-                ordering_key=None,
-            ),
-        )
-        for (
-            handler,
-            key,
-            name,
-            timer_id,
-            exchange,
-            resume_key,
-            body,
-            content_type,
-            headers,
-            correlation_id,
-        ) in rows
+        ResolvedWait(handler, key, name, timer_id, _resume_message(key, resume))
+        for (handler, key, name, timer_id, *resume) in rows
     ]
+
+
+def _resume_message(key: str, stored: Sequence[Any]) -> OutboxMessage:
+    """A new message (its own id) from a wait's stored resume message (its ``resume_*`` columns,
+    headers as JSON text), caused by the workflow's key."""
+    exchange, routing_key, body, content_type, headers, correlation_id = stored
+    return OutboxMessage(
+        message_id=uuid.uuid4(),
+        exchange=exchange,
+        routing_key=routing_key,
+        body=bytes(body),
+        content_type=content_type,
+        headers=json.loads(headers),
+        correlation_id=correlation_id,
+        causation_id=key,
+        ordering_key=None,
+    )
+
+
+@dataclass(frozen=True)
+class LastWait:
+    """A workflow's open wait, else its last resolved one: its name, outcome (None: open),
+    whether its deadline has passed, and a new copy of the message that resumes the workflow."""
+
+    name: str
+    outcome: str | None
+    due: bool
+    resume: OutboxMessage
+
+
+LAST_WAIT = """
+SELECT name, outcome, due_at <= now(), resume_exchange, resume_routing_key, resume_body,
+       resume_content_type, resume_headers::text, resume_correlation_id
+FROM workflow_waits
+WHERE handler = $1 AND key = $2
+ORDER BY outcome IS NULL DESC, resolved_at DESC, created_at DESC
+LIMIT 1
+"""
+
+
+async def last_wait(conn: Connection, handler: str, key: str) -> LastWait | None:
+    """The workflow's open wait, else the one resolved last; None if it never waited."""
+    driver = await in_transaction(conn)
+    row = await driver.fetchrow(LAST_WAIT, handler, key)
+    if row is None:
+        return None
+    name, outcome, due, *resume = row
+    return LastWait(name, outcome, bool(due), _resume_message(key, resume))
 
 
 BUFFER_SIGNAL = """

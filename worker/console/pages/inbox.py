@@ -1,14 +1,15 @@
 """``/inbox``: an inbox key looked up by its handler and key: its status, attempts, fingerprint,
 stored result or error and timestamps, and for a workflow its committed steps and its waits
-(what it waits for, until when, and how each wait ended); without a key asked for, the keys
-updated last.
+(what it waits for, until when, and how each wait ended) and, when its owner died holding it
+past its lease, that and the command that resumes it; without a key asked for, the keys updated
+last.
 
 Invariant: nothing here reads more than a primary key or an index range with a LIMIT
 (``worker.sql.lookup``): the key by ``inbox``'s primary key, its steps and waits by the prefix
-of theirs, the recent keys from the end of the ``updated_at`` index. There is no list of
-handlers (that would read the whole inbox): the handler is typed, as ``worker workflows``
-prints it. A stored result, error, step output or event is cut in the database, with a link to
-see more, capped. Nothing changes.
+of theirs, the recent keys from the end of the ``updated_at`` index (whether the key's owner is
+alive, from ``pg_locks``). There is no list of handlers (that would read the whole inbox): the
+handler is typed, as ``worker workflows`` prints it. A stored result, error, step output or event
+is cut in the database, with a link to see more, capped. Nothing changes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from starlette.responses import Response
 from worker.console.guard import Viewer
 from worker.console.state import console_of
 from worker.console.templating import render
-from worker.sql import lookup
+from worker.ops.workflows import resume_command
+from worker.sql import lookup, owners
 
 router = APIRouter()
 
@@ -62,6 +64,8 @@ async def inbox_page(
         entry = await lookup.inbox_entry(conn, handler, key, cap)
         steps = await lookup.steps_of(conn, handler, key, MAX_STEPS, cell) if entry else []
         waits = await lookup.waits_of(conn, handler, key, MAX_STEPS, cell) if entry else []
+    async with engine.begin() as conn:
+        orphan = await owners.orphan(conn, handler, key) if entry else None
     return render(
         request,
         "inbox.html",
@@ -73,6 +77,8 @@ async def inbox_page(
         recent=[],
         steps=steps,
         waits=waits,
+        orphan=orphan,
+        resume=resume_command(handler, key),
         full=full,
         max_steps=MAX_STEPS,
     )

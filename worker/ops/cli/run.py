@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 from typing import TYPE_CHECKING
 
 from worker.core.router import Router
@@ -151,6 +152,49 @@ GC = Command(
 
 
 def _workflows(settings: Settings, args: argparse.Namespace) -> int:
+    if args.action == "resume":
+        return _resume(settings, args)
+    if args.handler is not None:
+        raise ConfigurationError("worker workflows list takes no HANDLER or KEY")
+    return _list_workflows(settings, args)
+
+
+def _resume(settings: Settings, args: argparse.Namespace) -> int:
+    from worker.database import one_connection
+    from worker.ops import admin, workflows
+
+    if args.handler is None or args.key is None:
+        raise ConfigurationError("worker workflows resume needs a HANDLER and a KEY")
+
+    async def resume() -> workflows.Resumed:
+        async with one_connection(settings, admin.APPLICATION_NAME) as engine:
+            return await workflows.resume(engine, args.handler, args.key)
+
+    try:
+        resumed = asyncio.run(resume())
+    except workflows.NotResumable as exc:
+        if args.json:
+            print(admin.to_json({"handler": args.handler, "key": args.key, "error": str(exc)}))
+        show(f"not resumed: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(admin.to_json(resumed))
+    elif resumed.message_id is None:
+        show(
+            f"released workflow {resumed.key} of {resumed.handler}; it never waited, so no "
+            "message of it is stored: publish its starting message again, with its key, to "
+            "resume it",
+            file=sys.stderr,
+        )
+    else:
+        show(
+            f"resumed workflow {resumed.key} of {resumed.handler}: its resume message "
+            f"{resumed.message_id} (wait {resumed.wait}) is in the outbox"
+        )
+    return 1 if resumed.message_id is None else 0
+
+
+def _list_workflows(settings: Settings, args: argparse.Namespace) -> int:
     from worker.database import one_connection
     from worker.ops import admin
     from worker.sql import inspection
@@ -194,7 +238,16 @@ def _waiting(state: inspection.WorkflowState) -> str:
 
 
 def _workflows_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--limit", type=positive_int, default=100, help="default 100")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "resume"),
+        default="list",
+        help="list (the default) or resume HANDLER KEY",
+    )
+    parser.add_argument("handler", nargs="?", metavar="HANDLER", help="resume: its handler")
+    parser.add_argument("key", nargs="?", metavar="KEY", help="resume: its idempotency key")
+    parser.add_argument("--limit", type=positive_int, default=100, help="list: default 100")
     parser.add_argument("--json", action="store_true", help="one JSON object per line")
 
 
@@ -205,7 +258,12 @@ WORKFLOWS = Command(
     "Workflows whose key is in progress, least recently advanced first: the last committed "
     "step, the delivery that owns it and until when (an expired lease is taken over by the "
     "next delivery); a waiting workflow owns nothing and shows its wait: the signal's routing "
-    "key and correlation, or a sleep, and its deadline by the database's clock.",
+    "key and correlation, or a sleep, and its deadline by the database's clock.\n\n"
+    "`worker workflows resume HANDLER KEY` resumes one whose owner died with no message left "
+    "to resume it (`worker verify` names them, as no-orphaned-workflows): it releases the "
+    "dead owner and puts a copy of the workflow's resume message in the outbox, which "
+    "replays its committed steps and carries it on; refused (exit 1) for a key not in "
+    "progress, one a live run owns, or one waiting for a deadline still to come.",
     options=_workflows_options,
 )
 

@@ -271,6 +271,8 @@ VERIFY = Command(
     "usage error.\n\n"
     "  no-stuck-inbox-keys    no key in progress outside a workflow\n"
     "  no-stuck-workflows     no workflow lease expired more than --stuck-after ago\n"
+    "  no-orphaned-workflows  no workflow held past its lease by a dead owner (at once, each\n"
+    "                         with its `worker workflows resume` command)\n"
     "  outbox-drained         no outbox row older than --max-outbox-age\n"
     "  outbox-nothing-parked  no row in outbox_parked (unless --allow-parked)\n"
     "  work-queue-empty       with --quiet-queue: no ready message in the work or retry\n"
