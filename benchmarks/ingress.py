@@ -45,6 +45,7 @@ import json
 import multiprocessing
 import os
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -57,6 +58,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Annotated, Any
 
+import aio_pika
 import asyncpg
 import httpx
 from fastapi import FastAPI, Header
@@ -71,6 +73,7 @@ from worker.ingress.serve import serve, serve_app
 from worker.settings import Settings, positive_float, positive_int
 from worker.sql.outbox import NOTIFY_RELAYS
 from worker.testing import scratch_database
+from worker.transport.topology import delete_topology
 
 PATH = "/messages/payment.requested"
 CLIENTS = 50
@@ -551,7 +554,76 @@ async def attacks(settings: Settings, connections: int, slow_clients: int) -> li
         finally:
             process.terminate()
             await asyncio.to_thread(process.wait, 30)
-    return [idle, slow, idle_probes, wide]
+    progress(f"(attacks) {WIDE_MESSAGES} wide bodies over AMQP to worker run ...")
+    return [idle, slow, idle_probes, wide, *await wide_messages(settings, WIDE_MESSAGES)]
+
+
+WIDE_MESSAGES = 10
+"""Wide bodies published to the consumer (ten kept its /healthz waiting 8 s)."""
+
+
+def start_consumer(settings: Settings, port: int) -> subprocess.Popen[bytes]:
+    """``python -m worker run`` for the payments example on ``settings``, its health endpoint on
+    127.0.0.1:``port``, its output discarded."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WORKER_")}
+    env.update(
+        PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+        WORKER_DATABASE_URL=settings.database_url,
+        WORKER_AMQP_URL=settings.amqp_url,
+        WORKER_EXCHANGE=settings.exchange,
+        WORKER_QUEUE=settings.queue,
+        WORKER_HANDLERS="examples.payments",
+        WORKER_HTTP_HOST="127.0.0.1",
+        WORKER_HTTP_PORT=str(port),
+    )
+    return subprocess.Popen(
+        [sys.executable, "-m", "worker", "run"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+async def wide_messages(settings: Settings, count: int) -> list[AttackFigures]:
+    """The consumer's variant: a ``worker run`` of the payments example, its /healthz probed
+    idle and while ``count`` wide bodies arrive over AMQP (each parked, never decoded on the
+    event loop)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    run_id = uuid.uuid4().hex[:8]
+    settings = settings.replace(exchange=f"bench-{run_id}-events", queue=f"bench-{run_id}")
+    process = start_consumer(settings, port)
+    connection = await aio_pika.connect(settings.amqp_url)
+    try:
+        for _ in range(300):
+            if (await probe(port, within=1))[0] == 200:
+                break
+            await asyncio.sleep(0.1)
+        channel = await connection.channel(publisher_confirms=True)
+        queue = await channel.declare_queue(settings.queue, passive=True)
+        while queue.declaration_result.consumer_count == 0:
+            await asyncio.sleep(0.1)
+            queue = await channel.declare_queue(settings.queue, passive=True)
+        idle = await attacked("worker, idle", process.pid, port, _nothing(), _none, settle=0)
+        exchange = await channel.get_exchange(settings.exchange)
+        body = wide_body(0)
+
+        async def publish() -> Streams:
+            for i in range(count):
+                message = aio_pika.Message(
+                    body, headers={"idempotency-key": f"wide-{i}"}, content_type="application/json"
+                )
+                await exchange.publish(message, routing_key="payment.requested")
+            return []
+
+        wide = await attacked("worker, wide", process.pid, port, publish(), _none, settle=0)
+    finally:
+        process.terminate()
+        await asyncio.to_thread(process.wait, 30)
+        await delete_topology(await connection.channel(), settings)
+        await connection.close()
+    return [idle, wide]
 
 
 WIDE_CLIENTS = 2
