@@ -33,12 +33,15 @@ from tests.integration.test_admin import line, worker
 from worker import Router
 from worker.core.context import Context
 from worker.database import create_engine
+from worker.liveness import Liveness
 from worker.ops import overview
+from worker.ops import samples as sampling_module
 from worker.ops.samples import SAMPLES_KEPT, Role, Sampler, State
 from worker.settings import Settings
 from worker.sql import samples
 from worker.sql.samples import Gauge, NewSample
 from worker.telemetry import Count
+from worker.transport.connection import Observing
 
 INTERVAL = 0.2
 """The tests' sample interval: a sample every 200 ms."""
@@ -518,14 +521,55 @@ async def test_a_write_that_fails_is_logged_once_and_skipped(
     # Given a sampler whose database cannot be reached
     unreachable = settings.replace(database_url="postgresql://postgres@127.0.0.1:1/nowhere")
     engine = create_engine(unreachable, application_name="test-samples", pool_size=1)
-    sampler = Sampler(settings, engine, amqp, Counter(), role=Role.RELAY, outbox=lambda: None)
+    broker = Observing(settings.amqp_url, "test-observer", Liveness.of(settings))
+    sampler = Sampler(settings, engine, broker, Counter(), role=Role.RELAY, outbox=lambda: None)
     try:
         # When it samples three times
         for _ in range(3):
             await sampler.sample()
     finally:
+        await broker.close()
         await engine.dispose()
 
     # Then nothing was raised, and one warning says why
     warned = [r for r in caplog.records if "could not write a sample" in r.getMessage()]
     assert [r.levelname for r in warned] == ["WARNING"]
+
+
+async def test_queue_counts_cut_short_by_their_timeout_never_cost_the_consumer_its_connection(
+    settings: Settings,
+    engine: AsyncEngine,
+    amqp: AbstractRobustConnection,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Given a worker that samples itself every 2 ms, each count of its queues given from 0.1 to
+    # 3 ms (swept): most are cut short, some in the middle of a channel's open or close
+    monkeypatch.setattr(sampling_module, "QUEUE_TIMEOUT", 0.001)
+    settings = settings.replace(sample_interval=0.002, relay=False)
+
+    async def sweep() -> None:
+        while True:
+            for tenths in range(1, 31):
+                sampling_module.QUEUE_TIMEOUT = tenths / 10_000
+                await asyncio.sleep(0.003)
+
+    sweeping = asyncio.create_task(sweep())
+    async with running_worker(settings, payments) as running:
+        # When 200 payments flow meanwhile
+        channel = await amqp.channel(publisher_confirms=True)
+        for n in range(200):
+            await publish(channel, settings, payment(f"c-{n}"), key=f"c-{n}")
+        await settled(running, processed=200)
+        await asyncio.sleep(2.0)  # (more counts cut short while the worker idles)
+    sweeping.cancel()
+
+    # Then the consumer's connection was never lost, and no payment came back as a duplicate
+    lost = [
+        r.args
+        for r in caplog.records
+        if r.name == "worker.transport.connection" and "lost" in str(r.msg)
+    ]
+    assert not [args for args in lost if isinstance(args, tuple) and args[0] == "worker"], lost
+    assert running.stats[Count.PROCESSED] == 200
+    assert running.stats[Count.DUPLICATE] == 0

@@ -28,7 +28,7 @@ from worker.ops.janitor import Janitor
 from worker.ops.metrics import Metrics
 from worker.ops.samples import Role, Sampler
 from worker.settings import Settings, format_duration, redact
-from worker.transport.connection import connect
+from worker.transport.connection import Observing, connect
 from worker.transport.consumer import Consumer
 from worker.transport.relay import Relay
 
@@ -133,21 +133,24 @@ async def _open_monitor(
 
 
 async def _open_sampler(
+    stack: contextlib.AsyncExitStack,
     settings: Settings,
     monitor: Monitor,
-    connection: AbstractRobustConnection,
     role: Role,
     consumer: Consumer | None = None,
 ) -> Sampler | None:
     """The process's sampler (None when ``sample_interval`` is 0), on the monitor's engine and
     with its reads of the outbox, once it wrote its first sample (``starting``; a failed write
-    is logged, never raised)."""
+    is logged, never raised). It counts the queues on a broker connection of its own, made at
+    its first count and closed with the process: never on one that carries work."""
     if not settings.sample_interval:
         return None
+    broker = Observing(settings.amqp_url, f"{role.value}-observer", Liveness.of(settings))
+    stack.push_async_callback(broker.close)
     sampler = Sampler(
         settings,
         monitor.engine,
-        connection,
+        broker,
         monitor.metrics.stats,
         role=role,
         outbox=lambda: monitor.outbox,
@@ -251,7 +254,7 @@ async def run(
         # (the health endpoint listens first: a port another process holds stops the worker
         # before it takes a delivery)
         monitor = await _open_monitor(stack, settings, connection, metrics, consumer)
-        sampler = await _open_sampler(settings, monitor, connection, Role.WORKER, consumer)
+        sampler = await _open_sampler(stack, settings, monitor, Role.WORKER, consumer)
         await consumer.start()
         if any(h.kind is HandlerKind.WORKFLOW for h in router.handlers()) and (
             settings.workflow_lease >= settings.retry_chain
@@ -292,7 +295,7 @@ async def run_relay(
         metrics = Metrics(stats)
         relay = await _open_relay(stack, settings, metrics)
         monitor = await _open_monitor(stack, settings, relay.connection, metrics)
-        sampler = await _open_sampler(settings, monitor, relay.connection, Role.RELAY)
+        sampler = await _open_sampler(stack, settings, monitor, Role.RELAY)
         components: dict[str, Component] = {"relay": relay, "monitor": monitor}
         await _supervise(settings, stop, components, started, sampler=sampler)
     return stats

@@ -7,7 +7,10 @@ Invariant: sampling never holds up or stops the process. It runs as a task of it
 monitor's one-connection engine (never the consumer's pool); every write and every broker read is
 bounded by a timeout; a write that fails (the database down) is logged once and skipped; what it
 reads of the message path is a copy of counters and one attribute the consumer stores per batch
-(``Consumer.taken``). Each write also expires samples older than ``SAMPLES_KEPT``, a bounded batch
+(``Consumer.taken``). The queues are counted on a broker connection of the sampler's own
+(``worker.transport.connection.Observing``), never the consumer's or the relay's: a count cut
+short by its timeout in the middle of a channel's open or close may cost that connection, and it
+carries no work. Each write also expires samples older than ``SAMPLES_KEPT``, a bounded batch
 at a time, so the table stays as small as the processes' rate of writing makes it.
 """
 
@@ -22,7 +25,6 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 
-from aio_pika.abc import AbstractConnection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from worker.backoff import first
@@ -32,6 +34,7 @@ from worker.settings import Settings
 from worker.sql import samples
 from worker.sql.inspection import OutboxStats
 from worker.sql.samples import Gauge, NewSample
+from worker.transport.connection import Observing
 from worker.transport.consumer import Consumer
 from worker.transport.deliveries import Received
 from worker.transport.topology import count_queues
@@ -158,14 +161,14 @@ class Sampler:
     ``stats`` are the process's counters (``Telemetry.stats``); ``outbox`` gives the monitor's
     last read of the outbox (None when it failed); ``consumer`` is None in a relay-only process.
     Samples are written with ``engine`` (the monitor's) and the queues are asked about on
-    ``connection`` (the process's own).
+    ``broker``, an observers' connection that carries no work.
     """
 
     def __init__(
         self,
         settings: Settings,
         engine: AsyncEngine,
-        connection: AbstractConnection,
+        broker: Observing,
         stats: Counter[str],
         *,
         role: Role,
@@ -174,7 +177,7 @@ class Sampler:
     ) -> None:
         self.settings = settings
         self.engine = engine
-        self.connection = connection
+        self.broker = broker
         self.stats = stats
         self.role = role
         self.outbox = outbox
@@ -265,12 +268,13 @@ class Sampler:
     async def _queue_gauges(self) -> dict[str, float | None]:
         """The work queue's and the DLQ's ready messages (null when missing or unanswered)."""
         gauges: dict[str, float | None] = {Gauge.WORK_QUEUE: None, Gauge.DEAD_LETTER_QUEUE: None}
-        if self.connection.is_closed:
-            return gauges
         try:
             async with asyncio.timeout(QUEUE_TIMEOUT):
+                connection = await self.broker.get(within=QUEUE_TIMEOUT)
+                if connection.is_closed or not connection.connected.is_set():
+                    return gauges  # (reconnecting: it does so by itself)
                 work, dead = await count_queues(
-                    self.connection, [self.settings.queue, self.settings.dead_letter_queue]
+                    connection, [self.settings.queue, self.settings.dead_letter_queue]
                 )
             gauges[Gauge.WORK_QUEUE] = None if work is None else work.messages
             gauges[Gauge.DEAD_LETTER_QUEUE] = None if dead is None else dead.messages

@@ -159,6 +159,45 @@ async def connect(
     return await _open(urls[-1:] + urls[:-1], name, within, live)
 
 
+class Observing:
+    """A broker connection of its own for what only observes (the sampler's queue counts), made
+    at first use, one at most, reconnecting by itself once open, closed by ``close``.
+
+    Invariant: an observer never opens or closes a channel on a connection that carries work. A
+    timeout that cancels a channel's open or close halfway leaves the broker and the client at
+    odds about that channel number, and the broker then closes the whole connection
+    (``CHANNEL_ERROR - expected 'channel.open'``): here that costs an observer a reconnect, not
+    the consumer's or the relay's deliveries.
+    """
+
+    def __init__(self, url: str | Sequence[str], name: str, liveness: Liveness) -> None:
+        self._url = url
+        self._name = name
+        self._liveness = liveness
+        self._connection: aio_pika.RobustConnection | None = None
+        self._opening = asyncio.Lock()
+        self._closed = False
+
+    async def get(self, within: float | None = None) -> aio_pika.RobustConnection:
+        """The connection, opened now (each node given ``within`` seconds) if it is not yet."""
+        async with self._opening:
+            if self._closed:
+                raise ConnectionError(f"the {self._name!r} connection is closed")
+            if self._connection is None:
+                self._connection = await connect(
+                    self._url, name=self._name, within=within, liveness=self._liveness
+                )
+            return self._connection
+
+    async def close(self) -> None:
+        """Close the connection if one was made; ``get`` opens none after."""
+        async with self._opening:
+            self._closed = True
+            connection, self._connection = self._connection, None
+        if connection is not None:
+            await connection.close()
+
+
 async def _open(
     urls: Sequence[str], name: str, within: float | None, liveness: Liveness
 ) -> _Connection:
