@@ -5,7 +5,8 @@ Every engine comes from ``engine_for``, so each one reads ``WORKER_DATABASE_URL`
 mean what they mean to ``psql``; several hosts and ``target_session_attrs`` too) and none ever
 writes a statement's parameters, which are business data, into an error message
 (``hide_parameters``). A pooled connection is checked at every checkout, with no round trip:
-one asyncpg knows to be closed is replaced, and, when the URL asks for a writable server
+one asyncpg knows to be closed, or whose server said more after its last answer (its farewell:
+``_ReadyWatch``), is replaced, and, when the URL asks for a writable server
 (``target_session_attrs=read-write`` or ``primary``), so is one whose server has since reported
 itself read-only, with every connection pooled before it; the new one goes to the primary, if
 one answers.
@@ -95,6 +96,7 @@ def engine_for(
     connect_args["timeout"] = liveness.connect_timeout
     engine = create_async_engine(url, hide_parameters=True, connect_args=connect_args, **pool)
     event.listen(engine.sync_engine, "connect", _sockets_configured(liveness))
+    event.listen(engine.sync_engine, "connect", _ReadyWatch.install)
     target = url.query.get("target_session_attrs") or os.environ.get("PGTARGETSESSIONATTRS")
     read_only_when = WRITABLE_TARGETS.get(target, ()) if isinstance(target, str) else ()
     event.listen(engine.sync_engine, "checkout", _live_connections_only(read_only_when))
@@ -127,12 +129,72 @@ def _live_connections_only(read_only_when: tuple[str, ...]) -> Callable[[Any, An
         driver = dbapi_connection.driver_connection
         if driver.is_closed():
             raise DisconnectionError("the connection was closed")
+        if _ReadyWatch.spoke_since_its_last_answer(dbapi_connection):
+            driver.terminate()  # (its server said goodbye: nothing is left to tell it)
+            raise DisconnectionError("the server ended the connection")
         reported = driver.get_settings()
         for parameter in read_only_when:
             if getattr(reported, parameter, "off") == "on":
                 raise InvalidatePoolError(f"the server reports {parameter}=on: not a primary")
 
     return refuse
+
+
+READY_FOR_QUERY = b"Z\x00\x00\x00\x05"
+"""A ReadyForQuery message but its last byte (the transaction status): the end of every answer."""
+
+
+class _ReadyWatch(asyncio.Protocol):
+    """asyncpg's protocol for one connection, seen through on its transport: it notes whether
+    the last thing the server sent was a ReadyForQuery, and passes everything on unchanged.
+
+    Why: a server that ends a session (``pg_terminate_backend``, a fast shutdown,
+    ``idle_session_timeout``) sends a FATAL ErrorResponse, then closes the socket. asyncpg,
+    with no operation in progress, takes the unasked error for a fault of its own and waits
+    for a ReadyForQuery that never comes (state 2, PROTOCOL_ERROR_CONSUME), while
+    ``is_closed()`` stays False until the close itself is read: on a loaded host or a slow
+    path, well after. The pool handed such a connection out, and its first statement (``BEGIN``,
+    a simple query: state 15) failed with "cannot switch to state 15; another operation (2) is
+    in progress": no two operations ever shared it. Every answer ends with a ReadyForQuery, so
+    a connection nobody uses is ready only if that is the last thing its server said."""
+
+    def __init__(self, inner: asyncio.Protocol) -> None:
+        self.inner = inner
+        self.tail = READY_FOR_QUERY + b"I"  # (installed on a connection that just logged in)
+
+    @classmethod
+    def install(cls, dbapi_connection: Any, _record: Any) -> None:
+        """A pool ``connect`` hook: watch the new connection's transport."""
+        transport = getattr(dbapi_connection.driver_connection, "_transport", None)
+        if transport is not None:
+            transport.set_protocol(cls(transport.get_protocol()))
+
+    @classmethod
+    def spoke_since_its_last_answer(cls, dbapi_connection: Any) -> bool:
+        """True when the server sent ``dbapi_connection`` more after its last ReadyForQuery
+        (at checkout: its farewell, read before its close)."""
+        transport = getattr(dbapi_connection.driver_connection, "_transport", None)
+        watch = transport.get_protocol() if transport is not None else None
+        return isinstance(watch, cls) and watch.tail[:-1] != READY_FOR_QUERY
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.tail = data[-6:] if len(data) >= 6 else (self.tail + data)[-6:]
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 def engine_from_env(

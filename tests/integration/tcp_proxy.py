@@ -1,13 +1,15 @@
 """A TCP proxy a test can cut: the worker talks to PostgreSQL through it, and ``down()`` makes
 the server unreachable (every connection dropped, new ones refused) until ``up()``. Given an
-``ssl`` context it terminates TLS, so a plain server can be reached as a TLS one."""
+``ssl`` context it terminates TLS, so a plain server can be reached as a TLS one. With
+``close_delay`` set, a connection the server closes is closed to the client that much later:
+what the server sent last has arrived well before its end, as on a slow path."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 
 class TcpProxy:
@@ -22,6 +24,8 @@ class TcpProxy:
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
         self._writers: set[asyncio.StreamWriter] = set()
+        self.close_delay = 0.0
+        """Seconds between the server's end of a connection and its end to the client."""
 
     async def up(self) -> None:
         """Accept connections (on the same port as before, if there was one)."""
@@ -49,7 +53,7 @@ class TcpProxy:
         self._writers |= {writer, up_writer}
         pipes = [
             asyncio.create_task(self._pipe(reader, up_writer)),
-            asyncio.create_task(self._pipe(up_reader, writer)),
+            asyncio.create_task(self._pipe(up_reader, writer, then_wait=self._close_delayed)),
         ]
         self._pipes.update(pipes)
         try:
@@ -62,11 +66,20 @@ class TcpProxy:
                 self._writers.discard(w)
                 w.transport.abort()
 
+    async def _close_delayed(self) -> None:
+        await asyncio.sleep(self.close_delay)
+
     @staticmethod
-    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        then_wait: Callable[[], Awaitable[None]] | None = None,
+    ) -> None:
         while data := await reader.read(65536):
             writer.write(data)
             await writer.drain()
+        if then_wait is not None:
+            await then_wait()
 
 
 @contextlib.asynccontextmanager
