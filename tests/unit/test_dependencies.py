@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 RUNTIME_LOCK = ROOT / "requirements.lock"
 TEST_LOCK = ROOT / "requirements-test.lock"
+DOCS_LOCK = ROOT / "requirements-docs.lock"
 
 
 def name_of(requirement: str) -> str:
@@ -36,9 +37,10 @@ def pins(lock: Path) -> dict[str, str]:
 
 RUNTIME = PYPROJECT["dependencies"]
 TEST = PYPROJECT["optional-dependencies"]["test"]
+DOCS = PYPROJECT["optional-dependencies"]["docs"]
 
 
-@pytest.mark.parametrize("requirement", [*RUNTIME, *TEST])
+@pytest.mark.parametrize("requirement", [*RUNTIME, *TEST, *DOCS])
 def test_each_dependency_is_bounded_below_its_next_major_version(requirement: str) -> None:
     assert ">=" in requirement
     assert ",<" in requirement
@@ -62,4 +64,21 @@ def test_the_image_and_the_test_script_install_from_the_locks_with_hashes() -> N
     assert "--require-hashes -r requirements.lock" in dockerfile
     assert "--no-deps ." in dockerfile
     assert "--require-hashes -r requirements-test.lock" in script
+    assert "--no-deps -e ." in script
+
+
+def test_the_test_extra_holds_the_docs_extra_as_it_is() -> None:
+    """The test command builds the site (tests/unit/test_docs.py) with what scripts/docs uses."""
+    assert set(DOCS) <= set(TEST)
+
+
+def test_the_docs_lock_pins_the_docs_extra_and_agrees_with_the_test_lock() -> None:
+    docs, test = pins(DOCS_LOCK), pins(TEST_LOCK)
+    assert {name_of(requirement) for requirement in [*RUNTIME, *DOCS]} <= set(docs)
+    assert {name: test[name] for name in docs} == docs
+
+
+def test_the_docs_script_installs_from_its_lock_with_hashes() -> None:
+    script = (ROOT / "scripts" / "docs").read_text()
+    assert "--require-hashes -r requirements-docs.lock" in script
     assert "--no-deps -e ." in script
